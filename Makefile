@@ -1,0 +1,48 @@
+# Two commands do everything on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.bootstrapped
+# torch's CPU wheel when no CUDA device is present: an unpinned torch would pull a multi-GB CUDA build.
+TORCH_CPU := torch==2.13.0
+
+.PHONY: all bootstrap model serve generate test lint unit bench clean
+
+all: test
+
+bootstrap: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "bootstrap: no CUDA device, installing the CPU build of torch"; \
+		$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_CPU)"; \
+	fi
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	@touch $(STAMP)
+
+model: bootstrap
+	$(VENV)/bin/tierserve models pull
+
+serve: model
+	$(VENV)/bin/tierserve generate "What is the capital of France?"
+
+generate: model
+	$(VENV)/bin/tierserve generate "$(PROMPT)"
+
+lint: bootstrap
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+unit: bootstrap
+	$(PY) -m pytest -q -m "not slow"
+
+test: lint model
+	$(PY) -m pytest -q
+
+bench: model
+	$(PY) -m loadtest.engine_bench --json
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""gateway: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""loadtest: see docs/architecture.md."""

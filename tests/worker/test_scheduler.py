@@ -1,0 +1,141 @@
+"""The scheduler without a model: steps are simulated by appending a token per finished prefill."""
+
+from __future__ import annotations
+
+import random
+
+from wire.sampling import SamplingParams
+from worker.kv_cache import KVCacheManager
+from worker.request import FinishReason, Request, RequestStatus
+from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+
+def make_scheduler(num_blocks: int = 64, budget: int = 64, max_seqs: int = 8) -> Scheduler:
+    return Scheduler(SchedulerConfig(budget, max_seqs), KVCacheManager(num_blocks, 4))
+
+
+def make_request(request_id: str, num_prompt: int, max_tokens: int = 4, arrival: float = 0.0) -> Request:
+    prompt = [hash((request_id, i)) % 100 for i in range(num_prompt)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), arrival_time=arrival)
+
+
+def run_step(scheduler: Scheduler) -> SchedulerOutput:
+    """What the engine does around the runner: advance, sample a token, finish at max_tokens."""
+    out = scheduler.schedule()
+    scheduler.on_step_done(out)
+    for request in out.scheduled:
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_output_token(len(request.output_token_ids) % 100)
+            if request.num_output_tokens >= request.sampling_params.max_tokens:
+                scheduler.finish(request.request_id, FinishReason.LENGTH)
+    scheduler.kv_cache.check_integrity()
+    return out
+
+
+def test_long_prompt_is_chunked_and_mixed_with_decodes() -> None:
+    scheduler = make_scheduler(budget=16)
+    scheduler.add(make_request("short", 3, max_tokens=10, arrival=0))
+    run_step(scheduler)  # prefill of "short"
+    scheduler.add(make_request("long", 40, arrival=1))
+    out = run_step(scheduler)
+    assert out.num_scheduled_tokens == {"short": 1, "long": 15}
+    assert [r.request_id for r in out.scheduled] == ["short", "long"]  # decodes first
+    out = run_step(scheduler)
+    assert out.num_scheduled_tokens == {"short": 1, "long": 15}
+    out = run_step(scheduler)
+    assert out.num_scheduled_tokens == {"short": 1, "long": 10}
+    assert scheduler.requests["long"].num_output_tokens == 1
+
+
+def test_budget_and_max_num_seqs_are_respected() -> None:
+    scheduler = make_scheduler(budget=20, max_seqs=3)
+    for i in range(6):
+        scheduler.add(make_request(f"r{i}", 8, arrival=i))
+    while scheduler.num_unfinished:
+        out = run_step(scheduler)
+        assert out.total_num_tokens <= 20
+        assert len(scheduler.running) <= 3
+
+
+def test_preemption_frees_blocks_and_everyone_finishes() -> None:
+    # 10 blocks of 4 tokens: three 12-token prompts growing by 8 tokens cannot all fit.
+    scheduler = make_scheduler(num_blocks=10, budget=64)
+    for i in range(3):
+        scheduler.add(make_request(f"r{i}", 12, max_tokens=8, arrival=i))
+    outputs = {}
+    steps = 0
+    while scheduler.num_unfinished:
+        out = run_step(scheduler)
+        steps += 1
+        assert steps < 200
+        for request in out.preempted:
+            assert request.block_ids == [] and request.num_computed_tokens == 0
+            assert request.status is RequestStatus.PREEMPTED
+        for request in out.scheduled:
+            outputs[request.request_id] = request
+    assert scheduler.num_preemptions > 0
+    assert all(r.output_token_ids == list(range(8)) for r in outputs.values())
+    assert all(r.finish_reason is FinishReason.LENGTH for r in outputs.values())
+    _, in_use, _ = scheduler.kv_cache.pool.counts()
+    assert in_use == 0
+
+
+def test_newest_is_preempted_first() -> None:
+    scheduler = make_scheduler(num_blocks=8, budget=64)
+    scheduler.add(make_request("old", 14, max_tokens=16, arrival=0))
+    scheduler.add(make_request("new", 14, max_tokens=16, arrival=1))
+    preempted: list[str] = []
+    while scheduler.num_unfinished:
+        out = run_step(scheduler)
+        preempted += [r.request_id for r in out.preempted]
+    assert preempted and preempted[0] == "new"
+
+
+def test_prefix_hit_skips_computed_tokens() -> None:
+    scheduler = make_scheduler()
+    first = make_request("a", 18, max_tokens=1)
+    scheduler.add(first)
+    run_step(scheduler)
+    second = Request("b", list(first.prompt_token_ids), SamplingParams(max_tokens=1))
+    scheduler.add(second)
+    out = run_step(scheduler)
+    assert second.num_cached_tokens == 16
+    assert out.num_scheduled_tokens == {"b": 2}
+
+
+def test_abort_of_waiting_and_running_requests() -> None:
+    scheduler = make_scheduler(max_seqs=1)
+    scheduler.add(make_request("a", 5, max_tokens=50))
+    scheduler.add(make_request("b", 5))
+    run_step(scheduler)
+    assert scheduler.finish("a", FinishReason.ABORT) is not None
+    assert scheduler.finish("b", FinishReason.ABORT) is not None
+    assert scheduler.finish("b", FinishReason.ABORT) is None
+    assert scheduler.num_unfinished == 0 and scheduler.schedule().is_empty
+    assert scheduler.kv_cache.pool.counts()[1] == 0
+
+
+def test_random_workloads_keep_invariants() -> None:
+    rng = random.Random(0)
+    for trial in range(20):
+        scheduler = make_scheduler(num_blocks=rng.randint(8, 40), budget=rng.randint(4, 64), max_seqs=4)
+        for i in range(rng.randint(1, 10)):
+            scheduler.add(make_request(f"{trial}-{i}", rng.randint(1, 20), rng.randint(1, 10), arrival=i))
+        steps = 0
+        while scheduler.num_unfinished:
+            run_step(scheduler)
+            steps += 1
+            assert steps < 2000, "scheduler made no progress"
+
+
+def test_preempted_request_resumes_from_its_cached_blocks() -> None:
+    scheduler = make_scheduler(num_blocks=16, budget=64)
+    request = make_request("a", 18, max_tokens=8)
+    scheduler.add(request)
+    run_step(scheduler)
+    scheduler._preempt(request, SchedulerOutput())
+    scheduler.running.remove(request)
+    out = run_step(scheduler)
+    # 19 tokens (18 prompt + 1 output): 4 full blocks were cached, only the tail is recomputed.
+    assert out.num_scheduled_tokens == {"a": 3}
+    assert request.num_preemptions == 1

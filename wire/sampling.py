@@ -1,0 +1,91 @@
+"""Sampling parameters: one Struct, sent by the gateway in Submit, validated by both sides."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from wire.errors import InvalidRequestError
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` means greedy. ``logprobs`` is the number of top alternatives to
+    return per generated token (``None``: no logprobs; 0: only the chosen token's).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, *, vocab_size: int, max_model_len: int, num_prompt_tokens: int) -> None:
+        """Raise :class:`InvalidRequestError` naming the first field out of range."""
+        _require(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        room = max_model_len - num_prompt_tokens
+        _require(
+            self.max_tokens <= room,
+            "max_tokens",
+            f"{self.max_tokens} new tokens do not fit: the prompt has {num_prompt_tokens} tokens "
+            f"and the model's context is {max_model_len}",
+        )
+        _require(
+            _finite(self.temperature) and 0.0 <= self.temperature <= 100.0,
+            "temperature",
+            f"must be in [0, 100], got {self.temperature}",
+        )
+        _require(
+            _finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}"
+        )
+        _require(self.top_k is None or self.top_k >= 1, "top_k", f"must be at least 1, got {self.top_k}")
+        _require(
+            _finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}"
+        )
+        _require(
+            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty",
+            f"must be in (0, 10], got {self.repetition_penalty}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_finite(value) and -2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        _require(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            "logprobs",
+            f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}",
+        )
+        _require(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        _require(all(self.stop), "stop", "stop strings must not be empty")
+        bad_ids = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        _require(not bad_ids, "stop_token_ids", f"ids outside the vocabulary of {vocab_size}: {bad_ids[:5]}")
+        _require(
+            self.seed is None or 0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}"
+        )
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise InvalidRequestError(field, message)

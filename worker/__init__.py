@@ -1,0 +1,1 @@
+"""worker: the engine (scheduler, KV cache, runner, model) and its daemon."""

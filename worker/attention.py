@@ -1,0 +1,177 @@
+"""The attention boundary the model calls: per-step metadata, KV cache allocation, backends.
+
+A step's batch is flat and ragged: T new tokens from B sequences, decodes first::
+
+    seq:              d0   d1   p0 ............ p1 ......
+    new tokens:       [x] [x]  [x x x x x]    [x x x]           T = 10, B = 4, num_decodes = 2
+    query_start_loc:  0    1    2              7      10
+    seq_lens:         d0's context, d1's, p0's (cached prefix + 5), p1's (cached prefix + 3)
+    slot_mapping[t]:  where token t's K/V go (block_id * block_size + offset); < 0 = padding token
+
+Everything derived from that (decode gather indices, masks, prefill plans) is computed once per step by
+``AttentionMetadata.build`` / ``prepare`` and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kernels.paged_attention import (
+    DecodeGather,
+    PrefillSeq,
+    paged_decode_attention,
+    paged_prefill_attention,
+    plan_decode,
+    plan_prefill,
+    store_kv,
+)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """A flat ragged batch of T new tokens from B sequences. The first num_decodes sequences
+    have exactly one new token each (decode); the rest are prefill chunks.
+
+    Fill the first six fields, then call ``prepare()`` (or use ``build``) once per step; the backend
+    relies on the derived fields.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) of each new token
+    query_start_loc: list[int]  # B+1 cumulative new-token counts (python ints)
+    seq_lens: list[int]  # B context lengths INCLUDING this step's new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (rows padded with 0)
+    num_decodes: int
+    block_size: int
+    sliding_window: int | None = None  # the model's (Mistral); None = full causal attention
+
+    # derived by prepare(): once per step, never per layer
+    has_padding_slots: bool = True
+    decode: DecodeGather | None = None
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    num_padding_tokens: int = 0  # rows of T past query_start_loc[-1] (their output rows are zeros)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        slot_mapping: torch.Tensor,
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        num_decodes: int,
+        block_size: int,
+        sliding_window: int | None = None,
+    ) -> AttentionMetadata:
+        meta = cls(
+            slot_mapping, query_start_loc, seq_lens, block_tables, num_decodes, block_size, sliding_window
+        )
+        meta.prepare()
+        return meta
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens that belong to a sequence (T minus trailing padding)."""
+        return self.query_start_loc[-1]
+
+    def prepare(self) -> None:
+        """Validate the batch and compute the derived per-step fields."""
+        num_seqs = self.num_seqs
+        if len(self.query_start_loc) != num_seqs + 1 or self.query_start_loc[0] != 0:
+            raise ValueError(f"query_start_loc must have B+1={num_seqs + 1} entries starting at 0")
+        if not 0 <= self.num_decodes <= num_seqs:
+            raise ValueError(f"num_decodes={self.num_decodes} outside 0..{num_seqs}")
+        if self.block_tables.shape[0] < num_seqs:
+            raise ValueError(f"block_tables has {self.block_tables.shape[0]} rows for {num_seqs} sequences")
+        num_rows = self.slot_mapping.shape[0]
+        if num_rows < self.num_tokens:
+            raise ValueError(f"slot_mapping has {num_rows} entries for {self.num_tokens} new tokens")
+        for i in range(num_seqs):
+            query_len = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            if query_len < 1 or query_len > self.seq_lens[i]:
+                raise ValueError(f"sequence {i}: {query_len} new tokens for seq_len {self.seq_lens[i]}")
+            if i < self.num_decodes and query_len != 1:
+                raise ValueError(f"decode sequence {i} has {query_len} new tokens, expected 1")
+        self.num_padding_tokens = num_rows - self.num_tokens
+        self.has_padding_slots = bool((self.slot_mapping < 0).any())
+        self.decode = None
+        if self.num_decodes:
+            self.decode = plan_decode(
+                self.block_tables, self.seq_lens[: self.num_decodes], self.block_size, self.sliding_window
+            )
+        self.prefills = plan_prefill(
+            self.block_tables,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_size,
+            first_seq=self.num_decodes,
+            sliding_window=self.sliding_window,
+        )
+
+
+class AttentionBackend(Protocol):
+    """Stores this step's K/V in a layer's paged cache, then attends. q [T, Hq, D], k/v [T, Hkv, D]."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class TorchPagedAttention:
+    """The torch-reference backend: CPU, and the spec any faster backend is tested against."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(k, v, kv_cache, meta.slot_mapping, has_padding=meta.has_padding_slots)
+        parts: list[torch.Tensor] = []
+        if meta.decode is not None:
+            parts.append(paged_decode_attention(q[: meta.num_decodes], kv_cache, meta.decode, scale))
+        if meta.prefills:
+            parts.append(paged_prefill_attention(q, k, v, kv_cache, meta.prefills, scale))
+        if meta.num_padding_tokens:
+            parts.append(q.new_zeros(meta.num_padding_tokens, q.shape[1], q.shape[2]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+
+    Zero-filled rather than empty: decode gathers read padding blocks (masked out of the softmax,
+    but NaN garbage times a zero weight would still be NaN).
+    """
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -1,0 +1,93 @@
+"""The ``tierserve`` command line: ``models pull``, ``generate``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from wire.errors import InvalidRequestError
+from wire.sampling import SamplingParams
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="default", help="a Hugging Face folder, or 'default' (SmolLM2-135M)"
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="manage the local model cache")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    pull = models_sub.add_parser("pull", help="fetch and convert the embedded default model")
+    pull.add_argument("--force", action="store_true", help="convert again even if present")
+
+    gen = sub.add_parser("generate", help="answer one prompt in-process with the engine")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("-v", "--verbose", action="store_true")
+    _add_engine_args(gen)
+
+    args = parser.parse_args(argv)
+    if args.command == "models":
+        from worker.models.store import pull_default_model
+
+        pull_default_model(force=args.force)
+        return 0
+    return _generate(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from worker.config import EngineConfig
+    from worker.engine import Engine
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_gb=args.kv_cache_gb,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    engine = Engine.from_config(config)
+    prompt = (
+        args.prompt if args.raw else engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+    )
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    start = time.perf_counter()
+    try:
+        request_id = engine.add_request(prompt, params)
+    except InvalidRequestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    num_tokens = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.request_id == request_id:
+                num_tokens += len(output.new_token_ids)
+                sys.stdout.write(output.text_delta)
+                sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    if args.verbose:
+        print(
+            f"[{num_tokens} tokens in {elapsed:.2f} s, {num_tokens / elapsed:.1f} tokens/s]", file=sys.stderr
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""The engine loop: one step = schedule → execute → sample → detokenize → emit.
+
+The engine is the only owner of the loop and of per-request state; it is driven from the
+outside (``step()``), by the worker daemon or by ``generate()`` in-process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wire.errors import InvalidRequestError
+from wire.sampling import SamplingParams
+from worker.attention import TorchPagedAttention, allocate_kv_cache, kv_cache_bytes_per_block
+from worker.config import EngineConfig
+from worker.detokenizer import IncrementalDetokenizer
+from worker.kv_cache import KVCacheManager
+from worker.model_runner import ModelRunner
+from worker.models.config import ModelConfig
+from worker.models.loader import load_model
+from worker.models.store import resolve_model
+from worker.outputs import Completion, RequestOutput
+from worker.request import FinishReason, Request, TierRef
+from worker.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
+from worker.scheduler import Scheduler, SchedulerConfig
+from worker.scheduling_policy import SchedulingPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        tokenizer: Any,
+        policy: SchedulingPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = torch.device(config.device)
+        attention = TorchPagedAttention()
+        self.model, self.model_config = load_model(model_path, config.torch_dtype, device, attention)
+        self.max_model_len = min(self.model_config.max_position_embeddings, config.max_model_len or 1 << 30)
+        mc = self.model_config
+        bytes_per_block = kv_cache_bytes_per_block(
+            mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype
+        )
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_gb * 1024**3) // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_gb: {config.kv_cache_gb} GiB holds no {bytes_per_block}-byte block")
+        kv_caches = allocate_kv_cache(
+            mc.num_layers,
+            num_blocks,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            config.torch_dtype,
+            device,
+        )
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.kv_cache, policy
+        )
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, device)
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | _tokenizer_eos(tokenizer)
+        self._states: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+        log.info(
+            "engine: %s (%s) on %s in %s, attention %s, %d KV blocks of %d tokens (%.2f GiB), "
+            "prefix caching %s",
+            model_path.name,
+            mc.architecture,
+            device,
+            config.dtype,
+            type(attention).__name__,
+            num_blocks,
+            config.block_size,
+            num_blocks * bytes_per_block / 1024**3,
+            "on" if config.enable_prefix_caching else "off",
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, policy: SchedulingPolicy | None = None) -> Engine:
+        from transformers import AutoTokenizer
+
+        model_path = resolve_model(config.model)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        return cls(config, model_path, tokenizer, policy)
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        tier: TierRef | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises :class:`InvalidRequestError` naming the bad field."""
+        prompt_ids = (
+            self.tokenizer.encode(prompt, add_special_tokens=False)
+            if isinstance(prompt, str)
+            else list(prompt)
+        )
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_ids)} tokens do not fit the model's context of {self.max_model_len}"
+            )
+        params.validate(vocab_size=vocab, max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_ids))
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._states:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        request = Request(
+            request_id,
+            prompt_ids,
+            params,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            tier=tier or TierRef(),
+            cache_salt=cache_salt,
+        )
+        try:
+            self.scheduler.add(request)
+        except ValueError as exc:
+            raise InvalidRequestError("max_tokens", str(exc)) from None
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, stop=params.stop, skip_special_tokens=params.skip_special_tokens
+        )
+        self._states[request_id] = _RequestState(request, detokenizer, make_generator(params.seed))
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its blocks go back to the pool. False if unknown."""
+        self._states.pop(request_id, None)
+        return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        try:
+            requests, logits = self.runner.execute(out)
+        except Exception:
+            # Our mistake: fail this step's requests, keep the engine alive for everyone else.
+            log.exception("model step failed for %s", list(out.num_scheduled_tokens))
+            return [self._finish(r, FinishReason.ERROR, error="internal error") for r in out.scheduled]
+        self.scheduler.on_step_done(out)
+        if not requests:
+            return []
+        states = [self._states[r.request_id] for r in requests]
+        rows = [
+            SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, s.generator)
+            for r, s in zip(requests, states, strict=True)
+        ]
+        sampled = self.sampler(logits, rows)
+        return [
+            self._process_token(state, token_id, token_logprobs)
+            for state, token_id, token_logprobs in zip(
+                states, sampled.token_ids, sampled.logprobs, strict=True
+            )
+        ]
+
+    def _process_token(
+        self, state: _RequestState, token_id: int, logprobs: TokenLogprobs | None
+    ) -> RequestOutput:
+        request = state.request
+        params = request.sampling_params
+        request.append_output_token(token_id)
+        if logprobs is not None:
+            state.logprobs.append(logprobs)
+        reason: FinishReason | None = None
+        text = ""
+        if token_id in request.eos_token_ids or token_id in params.stop_token_ids:
+            reason = FinishReason.STOP  # the stop token itself is counted but never shown
+            text = state.detokenizer.flush()
+        else:
+            delta = state.detokenizer.update([token_id])
+            text = delta.text
+            if delta.stop_matched is not None:
+                reason = FinishReason.STOP
+            elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+                text += state.detokenizer.flush()
+        output = RequestOutput(
+            request.request_id,
+            [token_id],
+            text,
+            reason,
+            [logprobs] if logprobs is not None else [],
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            request.num_cached_tokens,
+        )
+        if reason is not None:
+            self.scheduler.finish(request.request_id, reason)
+            self._states.pop(request.request_id, None)
+        return output
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        self.scheduler.finish(request.request_id, reason)
+        self._states.pop(request.request_id, None)
+        return RequestOutput(
+            request.request_id,
+            [],
+            "",
+            reason,
+            [],
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            request.num_cached_tokens,
+            error,
+        )
+
+    # ---- in-process convenience --------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """Run prompts to completion together (continuous batching) and return them in order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
+        done: dict[str, RequestOutput] = {}
+        prompt_ids = {i: list(self._states[i].request.prompt_token_ids) for i in ids}
+        while self.has_unfinished():
+            for output in self.step():
+                texts[output.request_id].append(output.text_delta)
+                tokens[output.request_id].extend(output.new_token_ids)
+                logprobs[output.request_id].extend(output.logprobs)
+                if output.is_finished:
+                    done[output.request_id] = output
+        return [
+            Completion(
+                i,
+                prompt_ids[i],
+                tokens[i],
+                "".join(texts[i]),
+                _reason(done[i]),
+                logprobs[i],
+                done[i].num_cached_tokens,
+            )
+            for i in ids
+        ]
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+def _reason(output: RequestOutput) -> FinishReason:
+    assert output.finish_reason is not None
+    return output.finish_reason
+
+
+def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset() if eos is None else frozenset([eos])
+
+
+__all__ = ["Engine", "EngineConfig", "ModelConfig"]

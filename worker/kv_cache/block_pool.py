@@ -1,0 +1,159 @@
+"""The block pool: ref counts, an O(1) LRU free list and the hash → block map.
+
+A block is in exactly one of three states:
+
+    in use   ref_count > 0                     (owned by one or more running requests)
+    cached   ref_count == 0, block_hash set    (in the free list, reusable on a prefix hit)
+    free     ref_count == 0, no hash           (in the free list)
+
+The free list is ordered least recently freed first. Allocation pops from the head, evicting
+the cached block found there; a prefix hit pulls a cached block out of the middle in O(1),
+which is why the list is intrusive (each block carries its own links).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from wire.block_hash import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    prev: KVBlock | None = None
+    next: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_count}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list of blocks with ref_count 0: O(1) popleft, remove, append."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        # Sentinels keep every operation free of head/tail special cases.
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self.num_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next
+        if block is None or block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev is not None and block.next is not None, f"{block} is not in the free list"
+        block.prev.next = block.next
+        block.next.prev = block.prev
+        block.prev = block.next = None
+        self.num_blocks -= 1
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev
+        assert last is not None and block.prev is None and block.next is None
+        last.next = block
+        block.prev = last
+        block.next = self._tail
+        self._tail.prev = block
+        self.num_blocks += 1
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        block = self._head.next
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+
+class BlockPool:
+    """Owns every block and the prefix-cache index. Knows nothing about requests."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: truly free plus cached-but-unreferenced."""
+        return len(self.free_queue)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on prefix-hit blocks, pulling unreferenced ones off the free list."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        if num_blocks > len(self.free_queue):
+            raise ValueError(f"asked for {num_blocks} blocks, {len(self.free_queue)} free")
+        allocated = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_count = 1
+            allocated.append(block)
+        return allocated
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each; pass a request's blocks tail first so its tail is evicted first."""
+        for block in blocks:
+            assert block.ref_count > 0, f"double free of {block}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Register a full, computed block under its hash (first writer wins on duplicates)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # another request computed the same prefix; this copy stays private
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+
+    def counts(self) -> tuple[int, int, int]:
+        """(free, in use, cached) block counts."""
+        in_use = sum(1 for b in self.blocks if b.ref_count > 0)
+        cached = sum(1 for b in self.free_queue if b.block_hash is not None)
+        return len(self.free_queue) - cached, in_use, cached
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants; cheap enough for tests, not for every step."""
+        free, in_use, cached = self.counts()
+        assert free + in_use + cached == self.num_blocks, (free, in_use, cached, self.num_blocks)
+        in_queue = {id(b) for b in self.free_queue}
+        assert len(in_queue) == len(self.free_queue), "a block is in the free list twice"
+        for block in self.blocks:
+            assert block.ref_count >= 0, block
+            assert (block.ref_count == 0) == (id(block) in in_queue), f"{block} ref/free-list mismatch"
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"{block} indexed under a stale hash"

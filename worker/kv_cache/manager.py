@@ -1,0 +1,115 @@
+"""Per-request view of the block pool: prefix hits, slot allocation, caching and freeing.
+
+A request's block table maps its token positions onto pool blocks:
+
+    position p  ──▶  block_ids[p // block_size], offset p % block_size
+    slot        =    block_ids[p // block_size] * block_size + p % block_size
+
+Check and act are one call (``allocate_slots`` returns False and changes nothing when the
+pool cannot hold the step), so the scheduler never leaves a request half allocated.
+"""
+
+from __future__ import annotations
+
+from wire.block_hash import hash_blocks
+from worker.kv_cache.block_pool import BlockPool, KVBlock
+from worker.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        # Blocks owned per request, in block-table order; Request.block_ids mirrors the ids.
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0  # in tokens
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` over every full block of its tokens."""
+        start = len(request.block_hashes)
+        parent = request.block_hashes[-1] if start else None
+        request.block_hashes.extend(
+            hash_blocks(request.all_token_ids, self.block_size, request.cache_salt, parent, start)
+        )
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest cached prefix of a request that holds no blocks yet.
+
+        The last token is always recomputed (its logits pick the next token), so a prompt that
+        is entirely cached still leaves its last block to compute.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_prefix_queries += request.num_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones, or change nothing.
+
+        ``computed_blocks`` are prefix hits (from ``get_computed_blocks``) for a request that
+        holds no blocks yet; on success they become the head of its block table and its
+        ``num_computed_tokens`` covers them.
+        """
+        computed_blocks = computed_blocks or []
+        owned = self._blocks.setdefault(request.request_id, [])
+        assert not (computed_blocks and owned), "prefix hits only for a request without blocks"
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = self.blocks_needed(num_computed + num_new_tokens) - len(owned) - len(computed_blocks)
+        # Hit blocks with no other reference sit in the free list: taking them shrinks it too.
+        num_hits_from_free = sum(1 for b in computed_blocks if b.ref_count == 0)
+        if max(num_needed, 0) > self.pool.num_free_blocks - num_hits_from_free:
+            return False
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            owned.extend(computed_blocks)
+            request.num_computed_tokens = num_computed
+        if num_needed > 0:
+            owned.extend(self.pool.allocate(num_needed))
+        request.block_ids = [b.block_id for b in owned]
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish every full block whose KV is now computed, so later requests can hit it."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_hashes(request)
+        owned = self._blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(owned))
+        for block, block_hash in zip(owned[:num_full], request.block_hashes[:num_full], strict=True):
+            self.pool.cache_block(block, block_hash)
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first; full computed blocks stay cached."""
+        owned = self._blocks.pop(request.request_id, [])
+        self.pool.free(reversed(owned))
+        request.block_ids = []
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        for request_id, owned in self._blocks.items():
+            assert all(b.ref_count > 0 for b in owned), f"{request_id} holds a freed block"

@@ -1,0 +1,95 @@
+"""Turns a scheduled step into one flat ragged batch, runs the model and returns logits.
+
+For a step with a decode of request A (context 37) and a prefill chunk of B (tokens 16..47):
+
+    input_ids     [ a36 | b16 b17 ... b47 ]          T = 1 + 32 tokens, no padding
+    positions     [ 36  | 16  17  ... 47  ]
+    slot_mapping  [ A.block_ids[36 // 16] * 16 + 36 % 16 | B.block_ids[1] * 16 + 0 ... ]
+    query_start   [ 0, 1, 33 ]
+    seq_lens      [ 37, 48 ]
+    block_tables  [ A.block_ids + pad ; B.block_ids + pad ]
+
+Only the last token of a request whose prompt is now fully computed is turned into logits.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from worker.attention import AttentionMetadata
+from worker.models.llama import LlamaForCausalLM
+from worker.request import Request
+from worker.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+        """Run one step; return the requests that need a new token and their logits [N, V] fp32."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[Request] = []
+        num_decodes = 0
+        for request in out.scheduled:
+            start = request.num_computed_tokens
+            num_new = out.num_scheduled_tokens[request.request_id]
+            end = start + num_new
+            input_ids.extend(request.all_token_ids[start:end])
+            span = range(start, end)
+            positions.extend(span)
+            block_ids = request.block_ids
+            slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in span)
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            seq_lens.append(end)
+            if num_new == 1:
+                num_decodes += 1
+            if end == request.num_tokens:
+                logits_indices.append(query_start_loc[-1] - 1)
+                sampled.append(request)
+
+        max_blocks = max(len(r.block_ids) for r in out.scheduled)
+        block_tables = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int64)
+        for i, request in enumerate(out.scheduled):
+            block_tables[i, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int64)
+
+        device = self.device
+        meta = AttentionMetadata.build(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables.to(device),
+            num_decodes=num_decodes,
+            block_size=bs,
+            sliding_window=self.model.config.sliding_window,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            self.kv_caches,
+            meta,
+        )
+        if not sampled:
+            return [], torch.empty(0)
+        index = torch.tensor(logits_indices, dtype=torch.int64, device=device)
+        return sampled, self.model.compute_logits(hidden.index_select(0, index))

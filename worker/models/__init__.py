@@ -1,0 +1,1 @@
+"""Llama-family model code, weight loading and the embedded default model."""

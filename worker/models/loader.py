@@ -1,0 +1,132 @@
+"""Load a Hugging Face safetensors checkpoint (one file or shards) into ``LlamaForCausalLM``.
+
+HF names map onto ours by dropping the ``model.`` prefix and fusing projections::
+
+    model.layers.N.self_attn.{q,k,v}_proj.{weight,bias}  -> layers.N.qkv_proj.*      (rows: q | k | v)
+    model.layers.N.mlp.{gate,up}_proj.{weight,bias}      -> layers.N.gate_up_proj.*  (rows: gate | up)
+    model.layers.N.self_attn.o_proj.*                    -> layers.N.o_proj.*
+    model.layers.N.mlp.down_proj.*                       -> layers.N.down_proj.*
+    model.{embed_tokens,norm}.weight, lm_head.weight     -> same without "model."
+
+The model is built on the meta device and its parameters are assigned the loaded tensors, so no
+memory is spent on (or time spent in) random initialisation that would be overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from worker.attention import AttentionBackend, TorchPagedAttention
+from worker.models.config import ModelConfig, load_model_config
+from worker.models.llama import LlamaForCausalLM
+
+# Buffers some older checkpoints saved that carry no information we need.
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+_SINGLE = {
+    "o_proj": "self_attn.o_proj",
+    "down_proj": "mlp.down_proj",
+    "input_layernorm": "input_layernorm",
+    "post_attention_layernorm": "post_attention_layernorm",
+}
+
+
+class WeightMismatchError(ValueError):
+    """The checkpoint's tensors do not match what the config describes (missing, unexpected, shape)."""
+
+
+def _sources(name: str) -> list[str]:
+    """HF tensor names whose rows, concatenated, make our parameter ``name``."""
+    if not name.startswith("layers."):
+        return [name if name == "lm_head.weight" else f"model.{name}"]
+    _, index, module, kind = name.split(".")
+    prefix = f"model.layers.{index}"
+    if module in _FUSED:
+        return [f"{prefix}.{part}.{kind}" for part in _FUSED[module]]
+    return [f"{prefix}.{_SINGLE[module]}.{kind}"]
+
+
+def load_model(
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    attention: AttentionBackend | None = None,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Read ``config.json`` and every ``*.safetensors`` under ``path``; returns the model in eval mode.
+
+    The returned config has ``tie_word_embeddings=True`` when the checkpoint has no ``lm_head.weight``.
+    Raises ``UnsupportedModelError`` for an architecture we lack, ``WeightMismatchError`` naming any
+    missing, unexpected or misshapen tensor.
+    """
+    path = Path(path)
+    config = load_model_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    with ExitStack() as stack:
+        handles: dict[str, Any] = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            handles |= dict.fromkeys(handle.keys(), handle)
+        if "lm_head.weight" not in handles and not config.tie_word_embeddings:
+            config = dataclasses.replace(config, tie_word_embeddings=True)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, attention or TorchPagedAttention())
+        state = model.state_dict()
+        used: set[str] = set()
+        missing: list[str] = []
+        loaded: dict[str, torch.Tensor] = {}
+        for name, meta_param in state.items():
+            sources = _sources(name)
+            missing += [s for s in sources if s not in handles]
+            if any(s not in handles for s in sources):
+                continue
+            used.update(sources)
+            loaded[name] = _materialise(name, sources, handles, meta_param.shape, dtype, device)
+        if config.tie_word_embeddings:
+            used.add("lm_head.weight")  # a tied checkpoint may still carry a copy; the embedding wins
+        unexpected = sorted(n for n in handles if n not in used and not _IGNORED.fullmatch(n))
+        if missing or unexpected:
+            raise WeightMismatchError(
+                f"checkpoint {path} does not match its config ({config.architecture}): "
+                f"missing {missing or 'none'}; unexpected {unexpected or 'none'}"
+            )
+    model.load_state_dict(loaded, strict=True, assign=True)
+    model.build_rope_cache(device, dtype)
+    model.eval().requires_grad_(False)
+    return model, config
+
+
+def _materialise(
+    name: str,
+    sources: list[str],
+    handles: dict[str, Any],
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Copy the source tensors (rows concatenated) into one new tensor of ``dtype`` on ``device``."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    row = 0
+    for source in sources:
+        tensor = handles[source].get_tensor(source)
+        rows = tensor.shape[0]
+        if tuple(tensor.shape[1:]) != tuple(shape[1:]) or row + rows > shape[0]:
+            raise WeightMismatchError(
+                f"{source} has shape {tuple(tensor.shape)}; {name} expects {tuple(shape)}"
+            )
+        out[row : row + rows].copy_(tensor)  # copy_ converts dtype and moves device in one pass
+        row += rows
+    if row != shape[0]:
+        raise WeightMismatchError(f"{' + '.join(sources)} give {row} rows; {name} expects {shape[0]}")
+    return out

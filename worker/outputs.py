@@ -1,0 +1,40 @@
+"""What the engine emits per step, per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.request import FinishReason
+from worker.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The new part of one request's output after a step (a delta, not the whole text)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole finished request, as ``Engine.generate`` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprobs]
+    num_cached_tokens: int

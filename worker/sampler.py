@@ -1,0 +1,213 @@
+"""Batched next-token sampling: penalties, temperature, top-k/top-p/min-p, seeded noise, logprobs.
+
+One call takes the step's logits ``[N, V]`` (float32) and one :class:`SamplingRow` per row. The order is
+
+    logits ─▶ penalties ─┬─▶ log_softmax ─▶ logprobs            (what the model "thinks", penalties included)
+                         ├─▶ argmax ─▶ greedy rows
+                         └─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race ─▶ sampled rows
+
+Sampling uses the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. picks token ``i``
+with probability ``probs[i]``. Its noise is one tensor per row, so a seeded row draws its own noise from
+its own generator and gets the same token whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from wire.sampling import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
+_MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of the batch."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None  # from make_generator(params.seed); None: the global RNG
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the params.logprobs most likely (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None for rows that did not ask for logprobs
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A request's own RNG, created once at admission and kept for its whole life."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < _MIN_TEMPERATURE
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    )
+
+
+class Sampler:
+    """Stateless: every per-request input (history, generator) comes in with the rows."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        params = [row.params for row in rows]
+        if all(_is_greedy(p) and not _has_penalties(p) and p.logprobs is None for p in params):
+            # The hot path: one kernel, and bit-identical to HF's greedy decoding.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+        logits = apply_penalties(logits, rows)
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
+        sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
+        if greedy:
+            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        if sampled:
+            token_ids[sampled] = _sample(logits[sampled], [rows[i] for i in sampled])
+        token_id_list: list[int] = token_ids.tolist()
+        return SamplerOutput(token_id_list, _logprobs(logits, params, token_id_list))
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Return ``logits`` with each row's penalties applied; the input is left untouched.
+
+    Repetition (HF/CTRL): over prompt and output tokens, positive logits are divided by the penalty
+    and negative ones multiplied. Presence and frequency (OpenAI): over output tokens only,
+    ``logit -= presence * (count > 0) + frequency * count``.
+    """
+    penalized = [i for i, row in enumerate(rows) if _has_penalties(row.params)]
+    if not penalized:
+        return logits
+    num_rows, vocab_size = len(penalized), logits.shape[1]
+    device = logits.device
+    sub = [rows[i] for i in penalized]
+    x = logits[penalized]  # advanced indexing copies, so the caller's tensor stays as it was
+
+    repetition = torch.tensor([r.params.repetition_penalty for r in sub], device=device).unsqueeze(1)
+    seen = _token_counts(
+        [[*r.prompt_token_ids, *r.output_token_ids] for r in sub], num_rows, vocab_size, device
+    )
+    x = torch.where(seen > 0, torch.where(x < 0, x * repetition, x / repetition), x)
+
+    counts = _token_counts([r.output_token_ids for r in sub], num_rows, vocab_size, device)
+    presence = torch.tensor([r.params.presence_penalty for r in sub], device=device).unsqueeze(1)
+    frequency = torch.tensor([r.params.frequency_penalty for r in sub], device=device).unsqueeze(1)
+    x = x - presence * (counts > 0) - frequency * counts
+
+    out = logits.clone()
+    out[penalized] = x
+    return out
+
+
+def _token_counts(
+    token_ids: Sequence[Sequence[int]], num_rows: int, vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """``[num_rows, vocab_size]`` float32 occurrence counts, built with one scatter (no padding)."""
+    counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+    flat = [t for ids in token_ids for t in ids]
+    if flat:
+        row_index = torch.repeat_interleave(
+            torch.arange(num_rows), torch.tensor([len(ids) for ids in token_ids])
+        ).to(device)
+        col_index = torch.tensor(flat, dtype=torch.long, device=device)
+        counts.index_put_((row_index, col_index), torch.ones(len(flat), device=device), accumulate=True)
+    return counts
+
+
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One token per row from the tempered, truncated distribution; ``logits`` is ``[n, V]``."""
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
+    logits = logits / temperature
+
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k is not None for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+
+    probs = logits.softmax(dim=-1)
+    min_p = [r.params.min_p for r in rows]
+    if any(m > 0.0 for m in min_p):
+        # Relative to the top token, so it does not matter that top-k/top-p ran first.
+        threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(unseeded) == len(rows):
+        noise.exponential_()
+    else:
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i].exponential_(generator=row.generator)
+    # Exp(1) can round to 0; 0 / 0 would be NaN, which argmax ranks above everything.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int | None], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) what top-k and top-p drop; rows without either pass through unchanged.
+
+    Top-k keeps ties with the k-th logit. Top-p keeps the smallest set of most likely tokens whose
+    mass reaches ``p``, and always the most likely token.
+    """
+    vocab_size = logits.shape[1]
+    device = logits.device
+    ascending, order = logits.sort(dim=-1)
+
+    k = torch.tensor([vocab_size if v is None else min(v, vocab_size) for v in top_k], device=device)
+    kth_largest = ascending.gather(1, (vocab_size - k).unsqueeze(1))
+    ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
+
+    p = torch.tensor(top_p, device=device).unsqueeze(1)
+    mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = mass_below <= 1.0 - p
+    drop[:, -1] = False
+    ascending = ascending.masked_fill(drop, float("-inf"))
+    return ascending.scatter(1, order, ascending)
+
+
+def _logprobs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], token_ids: list[int]
+) -> list[TokenLogprobs | None]:
+    """Log-softmax of the penalized logits, before temperature and truncation."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not wanted:
+        return out
+    logprobs = logits[wanted].log_softmax(dim=-1)
+    chosen_ids = torch.tensor([token_ids[i] for i in wanted], device=logits.device).unsqueeze(1)
+    chosen: list[float] = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
+    num_top = max(params[i].logprobs or 0 for i in wanted)
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if num_top > 0:
+        values, indices = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
+        top_values, top_ids = values.tolist(), indices.tolist()
+    for j, i in enumerate(wanted):
+        n = params[i].logprobs or 0
+        top = list(zip(top_ids[j][:n], top_values[j][:n], strict=True)) if n else []
+        out[i] = TokenLogprobs(token_ids[i], chosen[j], top)
+    return out
