@@ -244,15 +244,21 @@ class Engine:
     # ---- in-process convenience --------------------------------------------------------------
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams) -> list[Completion]:
-        """Run prompts to completion together (continuous batching) and return them in order."""
+        """Run prompts to completion together (continuous batching) and return them in order.
+
+        Requests added earlier through ``add_request`` keep running in the same batches, but their
+        outputs during this call are not collected here.
+        """
         ids = [self.add_request(p, params) for p in prompts]
         texts: dict[str, list[str]] = {i: [] for i in ids}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
         done: dict[str, RequestOutput] = {}
         prompt_ids = {i: list(self._states[i].request.prompt_token_ids) for i in ids}
-        while self.has_unfinished():
+        while len(done) < len(ids):
             for output in self.step():
+                if output.request_id not in texts:
+                    continue  # someone else's request sharing the batch: theirs to collect via step()
                 texts[output.request_id].append(output.text_delta)
                 tokens[output.request_id].extend(output.new_token_ids)
                 logprobs[output.request_id].extend(output.logprobs)
