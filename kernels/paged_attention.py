@@ -1,10 +1,10 @@
 """Paged KV cache: store and attention, torch references (the spec and the CPU path).
 
-Cache layout, one tensor per layer::
+Cache layout, one tensor per layer, head-major so that one kv head's blocks are contiguous rows::
 
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]     (index 0 = K, 1 = V)
+    kv_cache: [2, num_kv_heads, num_blocks, block_size, head_dim]     (index 0 = K, 1 = V)
 
-    slot = block_id * block_size + offset         kv_cache.view(2, num_blocks * block_size, Hkv, D)[:, slot]
+    slot = block_id * block_size + offset     kv_cache.view(2, Hkv, num_blocks * block_size, D)[:, :, slot]
 
 A sequence's block table row lists its blocks in token order; token j of the sequence lives in
 block ``table[j // block_size]`` at offset ``j % block_size``::
@@ -12,34 +12,55 @@ block ``table[j // block_size]`` at offset ``j % block_size``::
     table = [7, 2, 9]  block_size = 4      tokens 0..3 -> block 7, 4..7 -> block 2, 8..10 -> block 9
     seq_len = 11                           slot(token 9) = 9 * 4 + 1 = 37
 
-Decode (one new token per sequence) is vectorised: the ``plan_decode`` step, done once per model step,
-lists every decode sequence's blocks; each layer then gathers them with one ``index_select``, padding
-every sequence to the batch's longest context, and masks the padding in a single SDPA call.
-Prefill chunks loop per sequence (few per step, each long enough to amortise the loop).
+Decode (one new token per sequence) is vectorised. ``plan_decode``, once per model step, groups the
+decode sequences into a few buckets of similar length; each layer gathers a bucket's blocks for each kv
+head into a reused workspace (``index_select`` into ``out=``: no allocation, no page faults), padding the
+bucket's sequences to its longest context, and attends with two batched matmuls::
 
-GQA without copies: query head h reads kv head ``h // G`` (G = Hq / Hkv, HF's ``repeat_kv`` order),
-so q viewed as [.., Hkv, G, ..] lines up with an un-repeated K/V of [.., Hkv, 1, ..].
+    workspace[kv, h] = [B_bucket * blocks_per_seq, block_size * D]  ==  K or V as [Hkv, B, L, D]
+    scores [Hkv, B, G, L] = q [Hkv, B, G, D] @ K^T        (G query heads share a kv head: no repeat)
+    out    [Hkv, B, G, D] = softmax(scores * scale + mask) @ V
+
+Prefill chunks loop per sequence (few per step, each long enough to amortise the loop) and use SDPA.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+# A bucket costs a fixed number of ops per layer; splitting pays when it saves more padded blocks than
+# this many (measured on CPU: ~14 extra ops cost about as much as gathering and attending 80 blocks).
+BUCKET_COST_IN_BLOCKS = 80
+MAX_DECODE_BUCKETS = 4
+
+
+@dataclass(slots=True)
+class DecodeBucket:
+    """Decode sequences ``start..end`` (rows of the decode queries), padded to ``num_keys`` keys."""
+
+    start: int
+    end: int
+    block_ids: torch.Tensor  # [(end - start) * blocks_per_seq] int64, row-major per sequence
+    num_keys: int  # blocks_per_seq * block_size
+    key_mask: torch.Tensor  # [1, B_bucket, 1, num_keys] bool: True where the sequence attends that key
+    additive_mask: torch.Tensor | None = None  # 0 / -inf float32, made once per step by the first layer
+    key_range: tuple[int, int] = (0, 0)  # single-sequence bucket: the keys it attends, [first, last)
 
 
 @dataclass(slots=True)
 class DecodeGather:
     """Per-step plan for batched decode attention (built by ``plan_decode``, shared by all layers)."""
 
-    block_ids: torch.Tensor  # [B * blocks_per_seq] int64: each decode sequence's first blocks, row-major
-    num_seqs: int  # B
-    num_keys: int  # blocks_per_seq * block_size: keys per sequence after the gather (padding included)
-    key_mask: torch.Tensor  # [B, 1, 1, num_keys] bool: True where the sequence attends that key
-    # key_mask as 0 / -inf in the query dtype, made by the first layer that needs it: SDPA would
-    # otherwise convert the bool mask in every layer (~15% of a batch-64 decode attention call)
-    additive_mask: torch.Tensor | None = None
+    buckets: list[DecodeBucket]
+    num_seqs: int
+
+    @property
+    def num_gathered_blocks(self) -> int:
+        return sum(b.block_ids.numel() for b in self.buckets)
 
 
 @dataclass(slots=True)
@@ -52,6 +73,12 @@ class PrefillSeq:
     seq_len: int
     block_ids: torch.Tensor | None  # [blocks] holding the context; None: no prefix, keys are the new tokens
     mask: torch.Tensor | None  # [query_len, seq_len] bool (True = attend); None: plain causal
+
+
+def slot_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as [2, num_slots, Hkv, D] (a strided view): row ``slot`` is one token's K/V."""
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    return kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim).transpose(1, 2)
 
 
 def store_kv(
@@ -71,10 +98,10 @@ def store_kv(
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
+    flat[0].index_copy_(1, slot_mapping, key.transpose(0, 1))
+    flat[1].index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
 def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -85,6 +112,42 @@ def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window:
     return mask
 
 
+def split_buckets(
+    num_blocks: list[int], cost: int = BUCKET_COST_IN_BLOCKS, max_buckets: int = MAX_DECODE_BUCKETS
+) -> list[int]:
+    """Where to start new buckets so gathered blocks + ``cost`` per bucket is small.
+
+    Buckets are contiguous runs of ``num_blocks`` (the runner orders decodes longest first, so sequences
+    of similar length sit together). Greedy: repeatedly make the single split that saves the most, while
+    it saves more than ``cost``; at most ``max_buckets`` buckets. O(max_buckets * n).
+    """
+    bounds = [0, len(num_blocks)]
+    while len(bounds) - 1 < max_buckets:
+        best_saving, best_split = float(cost), None
+        for lo, hi in itertools.pairwise(bounds):
+            if hi - lo < 2:
+                continue
+            prefix_max = list(_running_max(num_blocks[lo:hi]))
+            suffix_max = list(_running_max(num_blocks[lo:hi][::-1]))[::-1]
+            whole = prefix_max[-1] * (hi - lo)
+            for k in range(1, hi - lo):  # left = lo..lo+k-1, right = lo+k..hi-1
+                saving = whole - prefix_max[k - 1] * k - suffix_max[k] * (hi - lo - k)
+                if saving > best_saving:
+                    best_saving, best_split = saving, lo + k
+        if best_split is None:
+            break
+        bounds = sorted([*bounds, best_split])
+    return bounds[1:-1]
+
+
+def _running_max(values: list[int]) -> list[int]:
+    out, current = [], 0
+    for v in values:
+        current = max(current, v)
+        out.append(current)
+    return out
+
+
 def plan_decode(
     block_tables: torch.Tensor,
     seq_lens: list[int],
@@ -93,20 +156,30 @@ def plan_decode(
 ) -> DecodeGather:
     """Plan decode attention for ``len(seq_lens)`` sequences whose table rows are ``block_tables[:B]``.
 
-    Every sequence gathers ``ceil(max(seq_lens) / block_size)`` blocks; entries past a row's own blocks
-    (table padding, usually block 0) are read and masked out.
+    Each bucket gathers ``ceil(max(bucket seq_lens) / block_size)`` blocks per sequence; entries past a
+    row's own blocks (table padding, usually block 0) are read and masked out.
     """
     num_seqs = len(seq_lens)
-    blocks_per_seq = -(-max(seq_lens) // block_size)
-    if block_tables.shape[1] < blocks_per_seq:
-        raise ValueError(f"block_tables has {block_tables.shape[1]} columns; decode needs {blocks_per_seq}")
     device = block_tables.device
-    block_ids = block_tables[:num_seqs, :blocks_per_seq].reshape(-1)
-    num_keys = blocks_per_seq * block_size
-    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)[:, None]
-    key_pos = torch.arange(num_keys, device=device)[None, :]
-    key_mask = _window_mask(lens - 1, key_pos, sliding_window)  # the new token sits at seq_len - 1
-    return DecodeGather(block_ids, num_seqs, num_keys, key_mask.view(num_seqs, 1, 1, num_keys))
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    if block_tables.shape[1] < max(blocks_needed):
+        raise ValueError(
+            f"block_tables has {block_tables.shape[1]} columns; decode needs {max(blocks_needed)}"
+        )
+    bounds = [0, *split_buckets(blocks_needed), num_seqs]
+    buckets = []
+    for start, end in itertools.pairwise(bounds):
+        blocks_per_seq = max(blocks_needed[start:end])
+        num_keys = blocks_per_seq * block_size
+        block_ids = block_tables[start:end, :blocks_per_seq].reshape(-1)
+        lens = torch.tensor(seq_lens[start:end], dtype=torch.int64, device=device)[:, None]
+        key_pos = torch.arange(num_keys, device=device)[None, :]
+        key_mask = _window_mask(lens - 1, key_pos, sliding_window)  # the new token sits at seq_len - 1
+        seq_len = seq_lens[start]
+        first = max(0, seq_len - sliding_window) if sliding_window is not None else 0
+        bucket_mask = key_mask.view(1, end - start, 1, num_keys)
+        buckets.append(DecodeBucket(start, end, block_ids, num_keys, bucket_mask, None, (first, seq_len)))
+    return DecodeGather(buckets, num_seqs)
 
 
 def plan_prefill(
@@ -141,40 +214,83 @@ def plan_prefill(
     return plans
 
 
+def decode_workspace_numel(kv_cache: torch.Tensor, plan: DecodeGather) -> int:
+    """Elements of workspace ``paged_decode_attention`` needs for its largest bucket."""
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    widest = max(b.block_ids.numel() for b in plan.buckets)
+    return 2 * num_kv_heads * widest * block_size * head_dim
+
+
 def paged_decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodeGather, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: DecodeGather,
+    scale: float,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [B, Hq, D] (one token per sequence) -> [B, Hq, D], attending over the paged cache."""
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
+    """query [B, Hq, D] (one token per sequence) -> [B, Hq, D], attending over the paged cache.
+
+    ``workspace``: a flat tensor of the cache's dtype with at least ``decode_workspace_numel`` elements,
+    reused across layers and steps; None allocates one per call.
+    """
+    _num_seqs, num_heads, head_dim = query.shape
+    _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    gathered = kv_cache.index_select(1, plan.block_ids).view(
-        2, num_seqs, plan.num_keys, num_kv_heads, head_dim
-    )
-    key = gathered[0].transpose(1, 2)  # [B, Hkv, L, D]
-    value = gathered[1].transpose(1, 2)
-    mask = plan.additive_mask
-    if mask is None or mask.dtype != query.dtype:
-        mask = torch.zeros(plan.key_mask.shape, dtype=query.dtype, device=query.device)
-        mask.masked_fill_(~plan.key_mask, float("-inf"))
-        plan.additive_mask = mask
-    # the G query heads sharing a kv head become G "query positions" against that head: no K/V repeat
-    out = F.scaled_dot_product_attention(
-        query.view(num_seqs, num_kv_heads, group, head_dim), key, value, attn_mask=mask, scale=scale
-    )
-    return out.view(num_seqs, num_heads, head_dim)
+    if workspace is None:
+        workspace = kv_cache.new_empty(decode_workspace_numel(kv_cache, plan))
+    rows = kv_cache.view(2, num_kv_heads, num_blocks, block_size * head_dim)
+    outs = []
+    for bucket in plan.buckets:
+        batch = bucket.end - bucket.start
+        if batch == 1:
+            outs.append(_decode_one(query[bucket.start], kv_cache, bucket, scale))
+            continue
+        num_gathered = bucket.block_ids.numel()
+        gathered = workspace[: 2 * num_kv_heads * num_gathered * block_size * head_dim].view(
+            2, num_kv_heads, num_gathered, block_size * head_dim
+        )
+        for kv in range(2):
+            for head in range(num_kv_heads):
+                torch.index_select(rows[kv, head], 0, bucket.block_ids, out=gathered[kv, head])
+        key = gathered[0].view(num_kv_heads, batch, bucket.num_keys, head_dim)
+        value = gathered[1].view(num_kv_heads, batch, bucket.num_keys, head_dim)
+        q = query[bucket.start : bucket.end].view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
+        if bucket.additive_mask is None:
+            mask = torch.zeros(bucket.key_mask.shape, dtype=torch.float32, device=query.device)
+            bucket.additive_mask = mask.masked_fill_(~bucket.key_mask, float("-inf"))
+        scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale + bucket.additive_mask
+        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        outs.append(torch.matmul(probs, value).permute(1, 0, 2, 3).reshape(batch, num_heads, head_dim))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _decode_one(
+    query: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, scale: float
+) -> torch.Tensor:
+    """One sequence (batch-1 decode, the latency case): fewest ops, no padding, no mask.
+
+    Every cached key precedes the new token, so attention over the first seq_len keys needs no mask.
+    """
+    num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[1]
+    first, last = bucket.key_range  # [0, seq_len), or the sliding window's suffix of it
+    context = kv_cache[:, :, bucket.block_ids].view(2, num_kv_heads, -1, head_dim)
+    key, value = context[0, :, first:last], context[1, :, first:last]
+    q = query.view(num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Hkv, G, D]: G rows per kv head
+    out = F.scaled_dot_product_attention(q, key, value, scale=scale)
+    return out.reshape(1, num_heads, head_dim)
 
 
 def _attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """query [Lq, Hq, D], key/value [Lk, Hkv, D] -> [Lq, Hq, D]; mask None = causal (Lq == Lk)."""
+    """query [Lq, Hq, D], key/value [Hkv, Lk, D] -> [Lq, Hq, D]; mask None = causal (Lq == Lk)."""
     query_len, num_heads, head_dim = query.shape
-    key_len, num_kv_heads, _ = key.shape
+    num_kv_heads, key_len, _ = key.shape
     group = num_heads // num_kv_heads
     q = query.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, Lq, D]
-    k = key.transpose(0, 1)[:, None].expand(num_kv_heads, group, key_len, head_dim)  # stride-0 G: no copy
-    v = value.transpose(0, 1)[:, None].expand(num_kv_heads, group, key_len, head_dim)
+    k = key[:, None].expand(num_kv_heads, group, key_len, head_dim)  # stride-0 G: no copy
+    v = value[:, None].expand(num_kv_heads, group, key_len, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     return out.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
 
@@ -192,15 +308,15 @@ def paged_prefill_attention(
     query [T, Hq, D], key/value [T, Hkv, D] are the whole batch's new tokens (already stored in the
     cache); returns [sum of chunk lengths, Hq, D] for the chunks' rows in plan order.
     """
-    num_kv_heads, head_dim = kv_cache.shape[3:]
+    _, num_kv_heads, _, _, head_dim = kv_cache.shape
     outs: list[torch.Tensor] = []
     for plan in plans:
         rows = slice(plan.query_start, plan.query_end)
         if plan.block_ids is None:
-            k, v = key[rows], value[rows]
+            k, v = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
         else:
             # the context (cached prefix + this chunk) is read back from the cache
-            context = kv_cache.index_select(1, plan.block_ids).view(2, -1, num_kv_heads, head_dim)
-            k, v = context[0, : plan.seq_len], context[1, : plan.seq_len]
+            context = kv_cache[:, :, plan.block_ids].view(2, num_kv_heads, -1, head_dim)
+            k, v = context[0, :, : plan.seq_len], context[1, :, : plan.seq_len]
         outs.append(_attend(query[rows], k, v, plan.mask, scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

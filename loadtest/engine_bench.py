@@ -26,6 +26,7 @@ import torch
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine
+from worker.models.cpu_packing import PackedLinear
 from worker.models.store import resolve_model
 
 
@@ -136,13 +137,18 @@ def copy_bandwidth_gb_s(num_bytes: int = 512 * 1024**2, repeats: int = 5) -> flo
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a batch-1 decode step must read: every parameter once (tied embeddings once)."""
-    seen: set[int] = set()
+    """Bytes a batch-1 decode step must read: every linear weight (packed or not) and the logits
+    matrix once; of the embedding table only one row, unless it doubles as the lm_head."""
     total = 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            total += module.weight_bytes
+            continue
+        is_logits_matrix = isinstance(module, torch.nn.Embedding) and getattr(model, "lm_head", None) is None
+        if isinstance(module, torch.nn.Linear) or is_logits_matrix:
+            weight = module.weight
+            assert isinstance(weight, torch.Tensor)
+            total += weight.numel() * weight.element_size()
     return total
 
 

@@ -22,6 +22,7 @@ import torch
 from kernels.paged_attention import (
     DecodeGather,
     PrefillSeq,
+    decode_workspace_numel,
     paged_decode_attention,
     paged_prefill_attention,
     plan_decode,
@@ -130,7 +131,21 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """The torch-reference backend: CPU, and the spec any faster backend is tested against."""
+    """The torch-reference backend: CPU, and the spec any faster backend is tested against.
+
+    Owns a grow-only workspace for the decode gather, reused by every layer and step: a fresh
+    allocation of tens of MB per layer costs more in page faults than the gather itself.
+    """
+
+    def __init__(self) -> None:
+        self._workspace: torch.Tensor | None = None
+
+    def _decode_workspace(self, kv_cache: torch.Tensor, plan: DecodeGather) -> torch.Tensor:
+        numel = decode_workspace_numel(kv_cache, plan)
+        ws = self._workspace
+        if ws is None or ws.numel() < numel or ws.dtype != kv_cache.dtype or ws.device != kv_cache.device:
+            ws = self._workspace = kv_cache.new_empty(numel + numel // 4)  # headroom: fewer regrowths
+        return ws
 
     def forward(
         self,
@@ -144,7 +159,10 @@ class TorchPagedAttention:
         store_kv(k, v, kv_cache, meta.slot_mapping, has_padding=meta.has_padding_slots)
         parts: list[torch.Tensor] = []
         if meta.decode is not None:
-            parts.append(paged_decode_attention(q[: meta.num_decodes], kv_cache, meta.decode, scale))
+            workspace = self._decode_workspace(kv_cache, meta.decode)
+            parts.append(
+                paged_decode_attention(q[: meta.num_decodes], kv_cache, meta.decode, scale, workspace)
+            )
         if meta.prefills:
             parts.append(paged_prefill_attention(q, k, v, kv_cache, meta.prefills, scale))
         if meta.num_padding_tokens:
@@ -168,10 +186,10 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+    """One [2, num_kv_heads, num_blocks, block_size, head_dim] tensor per layer (see kernels.paged_attention).
 
     Zero-filled rather than empty: decode gathers read padding blocks (masked out of the softmax,
     but NaN garbage times a zero weight would still be NaN).
     """
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -23,6 +23,7 @@ from worker.detokenizer import IncrementalDetokenizer
 from worker.kv_cache import KVCacheManager
 from worker.model_runner import ModelRunner
 from worker.models.config import ModelConfig
+from worker.models.cpu_packing import can_pack, pack_linears
 from worker.models.loader import load_model
 from worker.models.store import resolve_model
 from worker.outputs import Completion, RequestOutput
@@ -58,6 +59,8 @@ class Engine:
         device = torch.device(config.device)
         attention = TorchPagedAttention()
         self.model, self.model_config = load_model(model_path, config.torch_dtype, device, attention)
+        if can_pack(self.model):
+            pack_linears(self.model)
         self.max_model_len = min(self.model_config.max_position_embeddings, config.max_model_len or 1 << 30)
         mc = self.model_config
         bytes_per_block = kv_cache_bytes_per_block(

@@ -50,8 +50,11 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampled: list[Request] = []
-        num_decodes = 0
-        for request in out.scheduled:
+        # Decodes longest first: the attention backend buckets runs of similar length (less padding).
+        num_decodes = sum(1 for r in out.scheduled if out.num_scheduled_tokens[r.request_id] == 1)
+        decodes = sorted(out.scheduled[:num_decodes], key=lambda r: -r.num_tokens)
+        scheduled = decodes + out.scheduled[num_decodes:]
+        for request in scheduled:
             start = request.num_computed_tokens
             num_new = out.num_scheduled_tokens[request.request_id]
             end = start + num_new
@@ -62,16 +65,14 @@ class ModelRunner:
             slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in span)
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(end)
-            if num_new == 1:
-                num_decodes += 1
             if end == request.num_tokens:
                 logits_indices.append(query_start_loc[-1] - 1)
                 sampled.append(request)
 
-        max_blocks = max(len(r.block_ids) for r in out.scheduled)
-        block_tables = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int64)
-        for i, request in enumerate(out.scheduled):
-            block_tables[i, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int64)
+        max_blocks = max(len(r.block_ids) for r in scheduled)
+        block_tables = torch.tensor(
+            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in scheduled], dtype=torch.int64
+        )
 
         device = self.device
         meta = AttentionMetadata.build(

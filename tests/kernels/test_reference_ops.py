@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers.models.llama import modeling_llama
 
 from kernels.activation import silu_and_mul
-from kernels.paged_attention import store_kv
+from kernels.paged_attention import slot_view, split_buckets, store_kv
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary, build_cos_sin_cache
 from worker.attention import AttentionMetadata, TorchPagedAttention
@@ -156,6 +156,8 @@ BATCHES = {
     "single-decode": (1, [(21, 1)]),
     "prefill-only": (0, [(9, 9), (18, 5), (5, 1)]),  # a 1-token chunk may also run as a prefill
     "mixed": (2, [(12, 1), (3, 1), (30, 30), (26, 9), (17, 16)]),
+    # lengths far apart: the decode plan splits them into buckets (checked below)
+    "decode-buckets": (6, [(400, 1), (390, 1), (385, 1), (20, 1), (10, 1), (5, 1)]),
 }
 
 
@@ -169,8 +171,9 @@ def test_paged_attention_matches_dense(
     torch.manual_seed(0)
     rng = random.Random(0)
     num_decodes, seqs = BATCHES[batch]
-    head_dim, num_heads, num_blocks, scale = 8, num_kv_heads * group, 40, 0.3
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)  # garbage in unused slots
+    head_dim, num_heads, scale = 8, num_kv_heads * group, 0.3
+    num_blocks = sum(-(-ctx // block_size) for ctx, _ in seqs) + 8
+    kv_cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim)  # garbage in unused slots
     free = list(range(num_blocks))
     rng.shuffle(free)  # non-contiguous, out-of-order block tables
 
@@ -210,13 +213,12 @@ def test_paged_attention_matches_dense(
     )
     before = kv_cache.clone()
     out = TorchPagedAttention().forward(q, k, v, kv_cache, meta, scale)
+    if batch == "decode-buckets" and block_size == 4:
+        assert meta.decode is not None and len(meta.decode.buckets) == 2
 
     assert out.shape == (q.shape[0], num_heads, head_dim)
     assert not kv_cache.isnan().any(), "a padding token was written"
-    flat, flat_before = (
-        kv_cache.view(2, -1, num_kv_heads, head_dim),
-        before.view(2, -1, num_kv_heads, head_dim),
-    )
+    flat, flat_before = slot_view(kv_cache), slot_view(before)
     written = torch.cat(slots)
     torch.testing.assert_close(flat[0, written], torch.cat(ks), rtol=0, atol=0)
     torch.testing.assert_close(flat[1, written], torch.cat(vs), rtol=0, atol=0)
@@ -252,12 +254,21 @@ def test_store_kv_writes_exactly_the_valid_slots(slots: list[int], block_size: i
     # distinct valid slots (a real slot mapping never repeats one within a step); -1 may repeat
     slots = [s if s < 0 or s not in slots[:i] else -1 for i, s in enumerate(slots)]
     num_blocks = 24 // block_size
-    kv_cache = torch.zeros(2, num_blocks, block_size, 2, 3)
+    kv_cache = torch.zeros(2, 2, num_blocks, block_size, 3)
     key = torch.arange(len(slots) * 6, dtype=torch.float32).view(len(slots), 2, 3) + 1
     value = -key
     store_kv(key, value, kv_cache, torch.tensor(slots))
-    flat = kv_cache.view(2, 24, 2, 3)
+    flat = slot_view(kv_cache)
     for row, slot in enumerate(slots):
         if slot >= 0:
             assert torch.equal(flat[0, slot], key[row]) and torch.equal(flat[1, slot], value[row])
     assert int((flat != 0).any(-1).any(-1).sum()) == 2 * sum(1 for s in slots if s >= 0)
+
+
+def test_split_buckets_pays_only_when_padding_saved_exceeds_the_cost() -> None:
+    assert split_buckets([10, 10, 9, 9], cost=80) == []
+    assert split_buckets([100, 98, 97, 5, 3, 2], cost=80) == [3]
+    starts = split_buckets([64] * 8 + [32] * 8 + [8] * 8 + [1] * 8, cost=10, max_buckets=4)
+    assert starts == [8, 16, 24]
+    assert len(split_buckets(list(range(64, 0, -1)), cost=1, max_buckets=4)) == 3
+    assert split_buckets([5]) == []
