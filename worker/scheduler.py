@@ -88,13 +88,13 @@ class Scheduler:
         scheduled_running: list[Request] = []
 
         # Running requests first: they hold KV already; starving them wastes it.
-        queue = list(self.running)
+        queue = deque(self.running)
         while queue and budget > 0:
-            request = queue.pop(0)
+            request = queue.popleft()
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
-                candidates = [r for r in queue if r is not request] + scheduled_running
-                victim = self.policy.choose_victim(candidates) if candidates else request
+                # The policy picks among everyone running, this request included: it may be the victim.
+                victim = self.policy.choose_victim([request, *queue, *scheduled_running])
                 self._preempt(victim, out)
                 if victim is request:
                     break

@@ -89,6 +89,8 @@ def test_newest_is_preempted_first() -> None:
         out = run_step(scheduler)
         preempted += [r.request_id for r in out.preempted]
     assert preempted and preempted[0] == "new"
+    # Even when "new" is the one short of a block, it gives way rather than evicting "old".
+    assert "old" not in preempted
 
 
 def test_prefix_hit_skips_computed_tokens() -> None:
@@ -139,3 +141,13 @@ def test_preempted_request_resumes_from_its_cached_blocks() -> None:
     # 19 tokens (18 prompt + 1 output): 4 full blocks were cached, only the tail is recomputed.
     assert out.num_scheduled_tokens == {"a": 3}
     assert request.num_preemptions == 1
+
+
+def test_request_short_of_a_block_preempts_itself_when_it_is_the_newest() -> None:
+    scheduler = make_scheduler(num_blocks=4, budget=64)
+    scheduler.add(make_request("old", 7, max_tokens=4, arrival=0))  # 2 blocks, room for 1 more token
+    scheduler.add(make_request("new", 8, max_tokens=4, arrival=1))  # 2 full blocks
+    run_step(scheduler)  # both prefilled; the cache is full
+    out = run_step(scheduler)
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert out.num_scheduled_tokens == {"old": 1}
