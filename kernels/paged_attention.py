@@ -285,15 +285,17 @@ def _decode_one(
 def _attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """query [Lq, Hq, D], key/value [Hkv, Lk, D] -> [Lq, Hq, D]; mask None = causal (Lq == Lk)."""
+    """query [Lq, Hq, D], key/value [Hkv, Lk, D] -> [Lq, Hq, D]; mask None = causal (Lq == Lk).
+
+    ``enable_gqa`` lets the fused kernel map query head h to kv head h // G itself (HF's repeat_kv
+    order); expanding K/V with a stride-0 group dimension instead is 1.5x slower at 1k tokens.
+    """
     query_len, num_heads, head_dim = query.shape
-    num_kv_heads, key_len, _ = key.shape
-    group = num_heads // num_kv_heads
-    q = query.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, Lq, D]
-    k = key[:, None].expand(num_kv_heads, group, key_len, head_dim)  # stride-0 G: no copy
-    v = value[:, None].expand(num_kv_heads, group, key_len, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
-    return out.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
+    q = query.transpose(0, 1)[None]  # [1, Hq, Lq, D]
+    out = F.scaled_dot_product_attention(
+        q, key[None], value[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1).reshape(query_len, num_heads, head_dim)
 
 
 def paged_prefill_attention(
