@@ -144,3 +144,23 @@ def test_cli_generate_answers() -> None:
         check=True,
     )
     assert "Paris" in out.stdout
+
+
+def test_a_failed_step_fails_its_requests_only_and_the_engine_serves_on(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = engine.add_request(chat(engine, "This step will break."), GREEDY)
+    real_execute = engine.runner.execute
+
+    def broken(out):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(engine.runner, "execute", real_execute)  # only this one step fails
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    [failed] = engine.step()
+    assert failed.request_id == victim and failed.finish_reason is FinishReason.ERROR and failed.error
+    assert not engine.has_unfinished()
+    engine.kv_cache.check_integrity()
+    assert engine.kv_cache.pool.counts()[1] == 0
+    [done] = engine.generate([chat(engine, "What is the capital of France?")], GREEDY)
+    assert "Paris" in done.text
