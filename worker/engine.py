@@ -154,7 +154,9 @@ class Engine:
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, stop=params.stop, skip_special_tokens=params.skip_special_tokens
         )
-        self._states[request_id] = _RequestState(request, detokenizer, make_generator(params.seed))
+        self._states[request_id] = _RequestState(
+            request, detokenizer, make_generator(params.seed, self.runner.device)
+        )
         return request_id
 
     def abort(self, request_id: str) -> bool:
