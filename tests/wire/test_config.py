@@ -1,0 +1,297 @@
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from wire.config import ConfigError, ServerConfig, Tenant, TierNotAllowedError, load_config
+from wire.tier import DEFAULT_TIERS
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tierserve.toml"
+TWO_TENANTS = """
+[[tenants]]
+name = "a"
+api_keys = ["key-a"]
+[[tenants]]
+name = "b"
+api_keys = ["key-b"]
+"""
+
+
+def load_text(tmp_path: Path, text: str, env: dict[str, str] | None = None) -> ServerConfig:
+    path = tmp_path / "tierserve.toml"
+    path.write_text(text)
+    return load_config(path, env={} if env is None else env)
+
+
+def test_defaults_load_with_no_file_and_empty_env() -> None:
+    config = load_config(env={})
+    assert config == ServerConfig()
+    assert config.tiers == DEFAULT_TIERS
+    assert config.default_tier == "standard"
+    assert (config.gateway.host, config.gateway.port, config.gateway.require_api_key) == (
+        "127.0.0.1",
+        8000,
+        False,
+    )
+    assert [(p.name, p.path, p.role) for p in config.models.pools] == [
+        ("smollm2-135m-instruct", "default", "primary")
+    ]
+    assert config.policies.ordering.name == "fcfs"
+    assert config.policies.routing.name == "least-loaded"
+    anonymous = config.anonymous_tenant()
+    assert anonymous is not None and anonymous.name == "anonymous"
+
+
+def test_example_file_loads_and_is_the_one_in_the_docs() -> None:
+    config = load_config(EXAMPLE, env={})
+    assert config.gateway.require_api_key
+    assert [t.name for t in config.tenants] == ["chat-frontend", "nightly-jobs"]
+    assert [p.role for p in config.models.pools] == ["primary", "fallback"]
+    assert config.policies.budget.name == "tpot-aware"  # the bare-name shorthand
+    assert config.policies.routing.params == {"prefix_weight": 0.5}
+    assert config.anonymous_tenant() is None
+    # The documentation embeds the example verbatim, so editing one without the other fails here.
+    assert EXAMPLE.read_text() in (ROOT / "docs" / "configuration.md").read_text()
+
+
+def test_env_overrides_ints_bools_floats_lists_and_nested_keys(tmp_path: Path) -> None:
+    env = {
+        "TIERSERVE_GATEWAY__PORT": "9100",
+        "TIERSERVE_GATEWAY__REQUIRE_API_KEY": "true",
+        "TIERSERVE_GATEWAY__DRAIN_TIMEOUT_S": "2.5",
+        "TIERSERVE_DEFAULT_TIER": "batch",
+        "TIERSERVE_TENANTS__1__MAX_TIER": "standard",
+        "TIERSERVE_TIERS__2__MAX_QUEUE": "7",
+        "TIERSERVE_POLICIES__ALLOW_PLUGINS": '["acme-routing", "acme-eviction"]',
+        "TIERSERVE_POLICIES__ORDERING": "tier-priority",
+        "TIERSERVE_POLICIES__ROUTING__PARAMS__PREFIX_WEIGHT": "0.75",
+        "TIERSERVE_MODELS__POOLS__0__KV_CACHE_GB": "4",
+        "TIERSERVE_CACHE": "/somewhere",  # read by the model store, not config: allowed
+    }
+    config = load_text(tmp_path, TWO_TENANTS, env)
+    assert config.gateway.port == 9100
+    assert config.gateway.require_api_key is True
+    assert config.gateway.drain_timeout_s == 2.5
+    assert config.default_tier == "batch"
+    assert config.tenants[1].max_tier == "standard"
+    assert config.tenants[0].max_tier is None  # the file's other entries are kept
+    assert config.tier("batch").max_queue == 7
+    assert config.policies.allow_plugins == ("acme-routing", "acme-eviction")
+    assert config.policies.ordering.name == "tier-priority"
+    assert config.policies.routing.params == {"prefix_weight": 0.75}
+    assert config.models.pools[0].kv_cache_gb == 4.0
+
+
+def test_env_replaces_a_whole_list_as_json_and_defaults_to_os_environ(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TIERSERVE_TIERS", '[{"name": "only", "rank": 0}]')
+    monkeypatch.setenv("TIERSERVE_DEFAULT_TIER", "only")
+    config = load_config()
+    assert [t.name for t in config.tiers] == ["only"]
+
+
+def test_tierserve_config_names_the_file() -> None:
+    config = load_config(env={"TIERSERVE_CONFIG": str(EXAMPLE)})
+    assert config.tenants[0].name == "chat-frontend"
+
+
+def test_string_values_from_env_stay_verbatim() -> None:
+    # "123" and "true" would parse as TOML scalars; a string field must still get the text as written.
+    config = load_config(env={"TIERSERVE_TELEMETRY__SERVICE_NAME": "123", "TIERSERVE_GATEWAY__HOST": "::1"})
+    assert config.telemetry.service_name == "123"
+    assert config.gateway.host == "::1"
+
+
+BAD_FILES = [
+    ("[gateway]\nprot = 1\n", "gateway.prot", "unknown key (known: host, port"),
+    ("colour = 'red'\n", "colour", "unknown key"),
+    ("[gateway]\nport = 'abc'\n", "gateway.port", "expected an integer, got 'abc'"),
+    ("[gateway]\nport = -1\n", "gateway.port", ">= 0, got -1"),
+    ("[gateway]\nrequire_api_key = 'yes'\n", "gateway.require_api_key", "expected a boolean"),
+    ("[[tiers]]\nname = 'a'\nrank = 0\n[[tiers]]\nname = 'a'\nrank = 1\n", "tiers[1].name", "duplicate tier"),
+    ("[[tiers]]\nname = 'a'\nrank = 0\n[[tiers]]\nname = 'b'\nrank = 0\n", "tiers[1].rank", "duplicate rank"),
+    ("[[tiers]]\nname = 'a'\nrank = -1\n", "tiers[0].rank", "must be >= 0"),
+    ("[[tiers]]\nrank = 0\n", "tiers[0].name", "required key is missing"),
+    ("[[tiers]]\nname = 'a'\nrank = 0\nttft_ms = 0\n", "tiers[0].ttft_ms", "must be positive"),
+    ("default_tier = 'gold'\n", "default_tier", "unknown tier 'gold' (known: interactive, standard, batch)"),
+    (
+        "[[tenants]]\nname = 'a'\n[[tenants]]\nname = 'b'\napi_keys = ['k']\nmax_tier = 'gold'\n",
+        "tenants[1].max_tier",
+        "unknown tier 'gold' (known: interactive, standard, batch)",
+    ),
+    (
+        "[[tenants]]\nname = 'a'\ndefault_tier = 'interactive'\nmax_tier = 'standard'\n",
+        "tenants[0].default_tier",
+        "more urgent than max_tier 'standard'",
+    ),
+    (
+        "[[tenants]]\nname = 'a'\nmax_tier = 'batch'\n",
+        "tenants[0].default_tier",
+        "the server's default_tier (unset here) 'standard' is more urgent than max_tier 'batch'",
+    ),
+    ("[[tenants]]\nname = 'a'\napi_keys = ['']\n", "tenants[0].api_keys[0]", "must not be empty"),
+    ("[[tenants]]\nname = 'a'\napi_key_sha256 = ['abc']\n", "tenants[0].api_key_sha256[0]", "64 hex"),
+    ("[[tenants]]\nname = ''\n", "tenants[0].name", "length >= 1"),
+    (TWO_TENANTS.replace("key-b", "key-a"), "tenants[1].api_keys[0]", "also given to tenant 'a'"),
+    (
+        "[[tenants]]\nname = 'a'\n[[tenants]]\nname = 'b'\n",
+        "tenants[1].api_keys",
+        "only one tenant may be keyless",
+    ),
+    (
+        "[[tenants]]\nname = 'a'\n[[tenants]]\nname = 'a'\napi_keys = ['k']\n",
+        "tenants[1].name",
+        "duplicate tenant",
+    ),
+    ("[gateway]\nrequire_api_key = true\n", "gateway.require_api_key", "no tenant has an api key"),
+    (
+        "[[models.pools]]\nname = 'm'\nrole = 'spare'\n",
+        "models.pools[0].role",
+        "expected one of: fallback, primary",
+    ),
+    (
+        "[[models.pools]]\nname = 'm'\n[[models.pools]]\nname = 'm'\n",
+        "models.pools[1].name",
+        "duplicate pool",
+    ),
+    ("[[models.pools]]\nname = 'm'\nrole = 'fallback'\n", "models.pools", 'role = "primary"'),
+    ("[[models.pools]]\nname = 'm'\nnum_workers = 0\n", "models.pools[0].num_workers", ">= 1, got 0"),
+    ("[[models.pools]]\nname = 'm'\ndtype = 'int3'\n", "models.pools[0].dtype", "invalid value 'int3'"),
+    ("[policies]\nrouting = { nam = 'x' }\n", "policies.routing.nam", "unknown key (known: name, params)"),
+    ("[policies]\nrouting = 3\n", "policies.routing", "expected a table, got 3"),
+]
+
+
+@pytest.mark.parametrize(("text", "key", "fragment"), BAD_FILES, ids=[case[1] for case in BAD_FILES])
+def test_bad_file_names_the_key(tmp_path: Path, text: str, key: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_text(tmp_path, text)
+    assert info.value.key == key
+    assert info.value.env_var is None
+    assert str(info.value).startswith(f"config error at {key}: ")
+    assert fragment in str(info.value)
+
+
+BAD_ENV = [
+    ({"TIERSERVE_GATEWAY__PORT": "abc"}, "TIERSERVE_GATEWAY__PORT: expected an integer, got 'abc'"),
+    ({"TIERSERVE_GATEWAY__PORT": "-5"}, "TIERSERVE_GATEWAY__PORT: expected an integer >= 0, got -5"),
+    ({"TIERSERVE_GATEWAY__REQUIRE_API_KEY": "yes"}, "TIERSERVE_GATEWAY__REQUIRE_API_KEY: expected a boolean"),
+    ({"TIERSERVE_GATEWAY_PORT": "1"}, "TIERSERVE_GATEWAY_PORT: not a config key: the top level has no key"),
+    (
+        {"TIERSERVE_GATEWAY__PROT": "1"},
+        "TIERSERVE_GATEWAY__PROT: not a config key: gateway has no key 'prot'",
+    ),
+    ({"TIERSERVE_GATEWAY__PORT__X": "1"}, "TIERSERVE_GATEWAY__PORT__X: not a config key: cannot select 'x'"),
+    ({"TIERSERVE_TENANTS__3__NAME": "x"}, "TIERSERVE_TENANTS__3__NAME: tenants has 1 entries"),
+    ({"TIERSERVE_TIERS": "[{"}, "TIERSERVE_TIERS: cannot parse '[{' as a TOML or JSON value"),
+    (
+        {"TIERSERVE_MODELS__POOLS__0__ROLE": "spare"},
+        "TIERSERVE_MODELS__POOLS__0__ROLE: invalid value 'spare'",
+    ),
+    (
+        {"TIERSERVE_POLICIES__ALLOW_PLUGINS": "acme"},
+        "TIERSERVE_POLICIES__ALLOW_PLUGINS: expected a list, got",
+    ),
+]
+
+
+@pytest.mark.parametrize(("env", "message"), BAD_ENV, ids=[next(iter(case[0])) for case in BAD_ENV])
+def test_bad_env_names_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env=env)
+    (var,) = env
+    assert info.value.key == var
+    assert str(info.value).startswith(message)
+
+
+def test_a_rule_broken_by_an_env_value_names_the_key_and_the_variable() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"TIERSERVE_TENANTS__0__MAX_TIER": "gold"})
+    assert info.value.key == "tenants[0].max_tier"
+    assert info.value.env_var == "TIERSERVE_TENANTS__0__MAX_TIER"
+    assert "unknown tier 'gold'" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"TIERSERVE_TIERS": '[{"name": "a", "rank": 0, "colour": 1}]'})
+    assert info.value.key == "tiers[0].colour"
+    assert info.value.env_var == "TIERSERVE_TIERS"
+
+
+def test_unreadable_and_malformed_files_name_the_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as info:
+        load_config(missing, env={})
+    assert info.value.key == str(missing)
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_text(tmp_path, "[gateway\n")
+
+
+def test_a_duplicated_key_is_never_echoed(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_text(tmp_path, TWO_TENANTS.replace("key-b", "key-a"))
+    assert "key-a" not in str(info.value)
+
+
+@given(st.integers(min_value=-(2**40), max_value=2**40))
+def test_port_from_env_is_taken_when_in_range_and_named_when_not(port: int) -> None:
+    env = {"TIERSERVE_GATEWAY__PORT": str(port)}
+    if 0 <= port <= 65535:
+        assert load_config(env=env).gateway.port == port
+    else:
+        with pytest.raises(ConfigError) as info:
+            load_config(env=env)
+        assert info.value.key == "TIERSERVE_GATEWAY__PORT"
+
+
+def test_tenant_for_key_matches_plain_and_sha256_keys() -> None:
+    digest = hashlib.sha256(b"secret-b").hexdigest()
+    config = ServerConfig(
+        tenants=(
+            Tenant(name="a", api_keys=("secret-a", "secret-a2")),
+            Tenant(name="b", api_key_sha256=(digest.upper(),)),
+        )
+    )
+    assert config.tenant_for_key("secret-a") is config.tenants[0]
+    assert config.tenant_for_key("secret-a2") is config.tenants[0]
+    assert config.tenant_for_key("secret-b") is config.tenants[1]
+    assert config.tenant_for_key(digest) is None  # the digest itself is not a key
+    assert config.tenant_for_key("secret-") is None
+    assert config.tenant_for_key("") is None
+
+
+def test_example_keys_resolve_to_their_tenants() -> None:
+    config = load_config(EXAMPLE, env={})
+    tenant = config.tenant_for_key("team-b-secret")
+    assert tenant is not None and tenant.name == "nightly-jobs"
+
+
+def test_tier_lookup_and_ordering_helpers() -> None:
+    config = load_config(env={})
+    assert config.tier("batch").rank == 2
+    assert config.tier_by_rank(0).name == "interactive"
+    assert [t.name for t in config.tiers_by_urgency] == ["interactive", "standard", "batch"]
+    with pytest.raises(KeyError, match="known: interactive, standard, batch"):
+        config.tier("gold")
+    with pytest.raises(KeyError):
+        config.tier_by_rank(7)
+    shuffled = ServerConfig(tiers=tuple(reversed(DEFAULT_TIERS)))
+    assert [t.rank for t in shuffled.tiers_by_urgency] == [0, 1, 2]
+
+
+def test_a_tenant_can_lower_its_tier_but_never_raise_it_above_max_tier() -> None:
+    config = load_config(EXAMPLE, env={})
+    nightly = config.tenants[1]  # default batch, max standard
+    assert config.resolve_tier(nightly).name == "batch"
+    assert config.resolve_tier(nightly, "standard").name == "standard"
+    with pytest.raises(TierNotAllowedError, match="interactive"):
+        config.resolve_tier(nightly, "interactive")  # above its cap: refused, never clamped silently
+    chat = config.tenants[0]  # default interactive, no cap
+    assert config.resolve_tier(chat).name == "interactive"
+    assert config.resolve_tier(chat, "batch").name == "batch"
+    with pytest.raises(KeyError):
+        config.resolve_tier(chat, "gold")

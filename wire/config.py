@@ -1,0 +1,326 @@
+"""The server's one configuration schema, loaded from TOML plus ``TIERSERVE_*`` variables and validated.
+
+    defaults  <  TOML file  <  TIERSERVE_<SECTION>__<KEY>=value      (later wins)
+
+Every mistake is a :class:`ConfigError` that names the key (``tenants[1].max_tier``) or the variable
+(``TIERSERVE_GATEWAY__PORT``) at fault, so a person can fix it without reading this file.
+``docs/configuration.md`` lists every key; ``examples/tierserve.toml`` is loaded by the tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, field
+
+from wire.config_load import ConfigError, blame, decode, env_overrides, read_toml
+from wire.tier import DEFAULT_TIERS, Tier
+
+__all__ = [
+    "ConfigError",
+    "GatewayConfig",
+    "ModelPool",
+    "ModelsConfig",
+    "PoliciesConfig",
+    "PolicySelection",
+    "ServerConfig",
+    "TelemetryConfig",
+    "Tenant",
+    "TierNotAllowedError",
+    "load_config",
+]
+
+# Mirrors worker.models.store.DEFAULT_MODEL: wire/ may not import the worker.
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+ENV_PREFIX = "TIERSERVE_"
+CONFIG_PATH_ENV = "TIERSERVE_CONFIG"
+# TIERSERVE_* variables that other parts read; everything else with the prefix must be a config key,
+# so a typo (TIERSERVE_GATEWAY_PORT) fails loudly instead of being silently ignored.
+NON_CONFIG_ENV_VARS = frozenset({"TIERSERVE_CACHE", CONFIG_PATH_ENV})
+
+PosInt = Annotated[int, Meta(ge=1)]
+PosFloat = Annotated[float, Meta(gt=0)]
+Name = Annotated[str, Meta(min_length=1)]
+
+
+class TierNotAllowedError(ValueError):
+    """A tenant asked for a tier more urgent than it may use."""
+
+    def __init__(self, requested: str, allowed: str, tenant: str) -> None:
+        super().__init__(f"tier {requested!r} is above what tenant {tenant!r} may use (at most {allowed!r})")
+        self.requested = requested
+        self.allowed = allowed
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8000  # 0: the OS picks a free port (tests)
+    max_body_bytes: PosInt = 1 << 20
+    max_n: PosInt = 8
+    request_timeout_s: PosFloat = 600.0
+    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+    require_api_key: bool = False
+
+
+class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Who is calling. Keys are given in plain text or, to keep secrets out of the file, as SHA-256 hex."""
+
+    name: Name
+    api_keys: tuple[str, ...] = ()
+    api_key_sha256: tuple[str, ...] = ()
+    default_tier: str | None = None  # None: the server's default_tier
+    max_tier: str | None = None  # the most urgent tier this tenant may ask for; None: any
+
+    def key_digests(self) -> tuple[bytes, ...]:
+        plain = tuple(hashlib.sha256(key.encode()).digest() for key in self.api_keys)
+        return plain + tuple(bytes.fromhex(digest) for digest in self.api_key_sha256)
+
+
+class ModelPool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    name: Name  # the served model name clients put in "model"
+    path: Name = "default"  # a Hugging Face folder, a GGUF file, or "default" (the embedded model)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    num_workers: PosInt = 1
+    kv_cache_gb: PosFloat = 1.0
+    max_num_seqs: PosInt = 64
+    max_num_batched_tokens: PosInt = 2048
+    role: Literal["primary", "fallback"] = "primary"
+    max_context: Annotated[int, Meta(ge=2)] | None = None  # None: the model's own limit
+
+
+class ModelsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pools: tuple[ModelPool, ...] = (ModelPool(name=DEFAULT_MODEL_NAME),)
+
+
+class PolicySelection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A policy by registered name plus its parameters; the policies package resolves the name."""
+
+    name: Name
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _policy(name: str) -> Any:
+    return field(default_factory=lambda: PolicySelection(name=name))
+
+
+class PoliciesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    ordering: PolicySelection = _policy("fcfs")
+    budget: PolicySelection = _policy("tpot-aware")
+    preemption: PolicySelection = _policy("newest")
+    eviction: PolicySelection = _policy("lru")
+    admission: PolicySelection = _policy("bounded-queue")
+    routing: PolicySelection = _policy("least-loaded")
+    degradation: PolicySelection = _policy("never")
+    allow_plugins: tuple[Name, ...] = ()  # entry-point plugin names that may load; built-ins always may
+
+
+POLICY_KINDS = tuple(f for f in PoliciesConfig.__struct_fields__ if f != "allow_plugins")
+
+
+class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    service_name: Name = "tierserve"
+    metrics_enabled: bool = True
+
+
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    default_tier: Name = "standard"
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    tiers: tuple[Tier, ...] = DEFAULT_TIERS
+    tenants: tuple[Tenant, ...] = (Tenant(name="anonymous"),)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    policies: PoliciesConfig = field(default_factory=PoliciesConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    def tier(self, name: str) -> Tier:
+        """The tier called ``name``; ``KeyError`` naming the known tiers otherwise."""
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise KeyError(f"unknown tier {name!r} (known: {', '.join(t.name for t in self.tiers_by_urgency)})")
+
+    def tier_by_rank(self, rank: int) -> Tier:
+        for tier in self.tiers:
+            if tier.rank == rank:
+                return tier
+        raise KeyError(f"no tier has rank {rank}")
+
+    @property
+    def tiers_by_urgency(self) -> tuple[Tier, ...]:
+        """Most urgent (lowest rank) first."""
+        return tuple(sorted(self.tiers, key=lambda t: t.rank))
+
+    def resolve_tier(self, tenant: Tenant, requested: str | None = None) -> Tier:
+        """The tier a request runs at: the one asked for, else the tenant's default, else the server's.
+
+        A request may lower itself freely but never rise above its tenant's ``max_tier``: asking for a
+        more urgent tier raises :class:`TierNotAllowedError` (the gateway answers 403). ``KeyError``
+        for an unknown requested name.
+        """
+        tier = self.tier(requested or tenant.default_tier or self.default_tier)
+        if tenant.max_tier is not None:
+            cap = self.tier(tenant.max_tier)
+            if tier.rank < cap.rank:
+                raise TierNotAllowedError(tier.name, cap.name, tenant.name)
+        return tier
+
+    def tenant_for_key(self, key: str) -> Tenant | None:
+        """The tenant owning ``key``, comparing SHA-256 digests in constant time.
+
+        Every stored digest is compared (no early exit), so timing reveals neither which tenant
+        matched nor how much of a key was right.
+        """
+        if not key:
+            return None
+        digest = hashlib.sha256(key.encode()).digest()
+        found: Tenant | None = None
+        for tenant in self.tenants:
+            for stored in tenant.key_digests():
+                if hmac.compare_digest(digest, stored) and found is None:
+                    found = tenant
+        return found
+
+    def anonymous_tenant(self) -> Tenant | None:
+        """The keyless tenant for requests without a key; None when keys are required."""
+        if self.gateway.require_api_key:
+            return None
+        return next((t for t in self.tenants if not t.api_keys and not t.api_key_sha256), None)
+
+    def pools(self, role: Literal["primary", "fallback"]) -> tuple[ModelPool, ...]:
+        return tuple(pool for pool in self.models.pools if pool.role == role)
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """Defaults, then the TOML file at ``path`` (else ``$TIERSERVE_CONFIG``, else none), then ``env``.
+
+    ``env`` defaults to ``os.environ``. Raises :class:`ConfigError` naming the key or variable at fault.
+    """
+    env = os.environ if env is None else env
+    if path is None and env.get(CONFIG_PATH_ENV):
+        path = env[CONFIG_PATH_ENV]
+    raw: dict[str, Any] = read_toml(Path(path)) if path is not None else {}
+    # Decode the file alone first: its errors name file keys, and overrides get a full tree to index into.
+    base = decode(_expand_policy_shorthand(raw), ServerConfig, {})
+    tree, origins = env_overrides(base, env, prefix=ENV_PREFIX, ignore=NON_CONFIG_ENV_VARS)
+    config = decode(_expand_policy_shorthand(tree), ServerConfig, origins)
+    _validate(config, lambda key, message: ConfigError(key, message, env_var=blame(key, origins)))
+    return config
+
+
+def _expand_policy_shorthand(tree: dict[str, Any]) -> dict[str, Any]:
+    """``ordering = "fcfs"`` means ``ordering = {name = "fcfs"}``: most selections need no params."""
+    policies = tree.get("policies")
+    if isinstance(policies, dict):
+        for kind in POLICY_KINDS:
+            if isinstance(policies.get(kind), str):
+                policies[kind] = {"name": policies[kind]}
+    return tree
+
+
+_Fail = Callable[[str, str], ConfigError]
+
+
+def _validate(config: ServerConfig, fail: _Fail) -> None:
+    """Cross-field rules a type cannot state; each raises naming the key that must change."""
+    _validate_tiers(config, fail)
+    _validate_tenants(config, fail)
+    _validate_pools(config, fail)
+
+
+def _validate_tiers(config: ServerConfig, fail: _Fail) -> None:
+    if not config.tiers:
+        raise fail("tiers", "at least one tier is needed")
+    names: dict[str, int] = {}
+    ranks: dict[int, int] = {}
+    for i, tier in enumerate(config.tiers):
+        if not tier.name:
+            raise fail(f"tiers[{i}].name", "must not be empty")
+        if tier.name in names:
+            raise fail(
+                f"tiers[{i}].name", f"duplicate tier name {tier.name!r} (also tiers[{names[tier.name]}])"
+            )
+        if tier.rank < 0:
+            raise fail(f"tiers[{i}].rank", f"must be >= 0 (0 is the most urgent), got {tier.rank}")
+        if tier.rank in ranks:
+            raise fail(f"tiers[{i}].rank", f"duplicate rank {tier.rank} (also tiers[{ranks[tier.rank]}])")
+        for attr in ("ttft_ms", "tpot_ms", "deadline_s"):
+            value = getattr(tier, attr)
+            if value is not None and not value > 0:
+                raise fail(f"tiers[{i}].{attr}", f"must be positive (or left out for no target), got {value}")
+        if tier.max_queue < 1:
+            raise fail(f"tiers[{i}].max_queue", f"must be at least 1, got {tier.max_queue}")
+        names[tier.name] = i
+        ranks[tier.rank] = i
+    _check_tier_name(config, config.default_tier, "default_tier", fail)
+
+
+def _check_tier_name(config: ServerConfig, name: str, key: str, fail: _Fail) -> Tier:
+    try:
+        return config.tier(name)
+    except KeyError:
+        known = ", ".join(t.name for t in config.tiers_by_urgency)
+        raise fail(key, f"unknown tier {name!r} (known: {known})") from None
+
+
+def _validate_tenants(config: ServerConfig, fail: _Fail) -> None:
+    if not config.tenants:
+        raise fail("tenants", "at least one tenant is needed (the default is one keyless 'anonymous')")
+    names: dict[str, int] = {}
+    owners: dict[bytes, str] = {}
+    keyless: list[int] = []
+    for i, tenant in enumerate(config.tenants):
+        at = f"tenants[{i}]"
+        if tenant.name in names:
+            raise fail(
+                f"{at}.name", f"duplicate tenant name {tenant.name!r} (also tenants[{names[tenant.name]}])"
+            )
+        names[tenant.name] = i
+        # The server default was checked with the tiers, so an unknown name here is the tenant's own.
+        default = _check_tier_name(
+            config, tenant.default_tier or config.default_tier, f"{at}.default_tier", fail
+        )
+        if tenant.max_tier is not None:
+            cap = _check_tier_name(config, tenant.max_tier, f"{at}.max_tier", fail)
+            if default.rank < cap.rank:
+                whose = "default tier" if tenant.default_tier else "the server's default_tier (unset here)"
+                raise fail(
+                    f"{at}.default_tier",
+                    f"{whose} {default.name!r} is more urgent than max_tier {cap.name!r}",
+                )
+        for j, key in enumerate(tenant.api_keys):
+            if not key.strip():
+                raise fail(f"{at}.api_keys[{j}]", "must not be empty")
+        for j, digest in enumerate(tenant.api_key_sha256):
+            if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+                raise fail(f"{at}.api_key_sha256[{j}]", "expected 64 hex digits: the SHA-256 of the key")
+        kinds = [("api_keys", j) for j in range(len(tenant.api_keys))]
+        kinds += [("api_key_sha256", j) for j in range(len(tenant.api_key_sha256))]
+        for (kind, j), digest_bytes in zip(kinds, tenant.key_digests(), strict=True):
+            if digest_bytes in owners:  # one key, two tenants: who is calling would be ambiguous
+                raise fail(f"{at}.{kind}[{j}]", f"this key is also given to tenant {owners[digest_bytes]!r}")
+            owners[digest_bytes] = tenant.name
+        if not kinds:
+            keyless.append(i)
+    if len(keyless) > 1:
+        raise fail(f"tenants[{keyless[1]}].api_keys", "only one tenant may be keyless (the anonymous one)")
+    if config.gateway.require_api_key and not owners:
+        raise fail("gateway.require_api_key", "keys are required but no tenant has an api key")
+
+
+def _validate_pools(config: ServerConfig, fail: _Fail) -> None:
+    names: dict[str, int] = {}
+    for i, pool in enumerate(config.models.pools):
+        if pool.name in names:
+            # The served name is how clients and the degradation policy pick a pool: it must be one pool.
+            raise fail(
+                f"models.pools[{i}].name",
+                f"duplicate pool name {pool.name!r} (also models.pools[{names[pool.name]}])",
+            )
+        names[pool.name] = i
+    if not config.pools("primary"):
+        raise fail("models.pools", 'at least one pool with role = "primary" is needed')
