@@ -28,6 +28,7 @@ import torch
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine
+from worker.model_runner import ModelRunner
 from worker.models.cpu_packing import PackedLinear
 from worker.models.store import resolve_model
 
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_tok_s = run_hf_static(hf, workload, args.hf_batch_size, pad_id)
     progress(f"hf static workload: {hf_tok_s:.1f} tok/s")
 
-    num_weight_bytes = weight_bytes(engine.model)
+    assert isinstance(engine.runner, ModelRunner)
+    num_weight_bytes = weight_bytes(engine.runner.model)
     roofline = bandwidth * 1e9 / num_weight_bytes
     read_roofline = read_bandwidth * 1e9 / num_weight_bytes
     result = {

@@ -10,21 +10,17 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from wire.errors import InvalidRequestError
 from wire.sampling import SamplingParams
-from worker.attention import TorchPagedAttention, allocate_kv_cache, kv_cache_bytes_per_block
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
 from worker.kv_cache import KVCacheManager
-from worker.model_runner import ModelRunner
+from worker.model_runner import StepRunner, build_model_runner
 from worker.models.config import ModelConfig
-from worker.models.cpu_packing import can_pack, pack_linears
-from worker.models.loader import load_model
 from worker.models.store import resolve_model
 from worker.outputs import Completion, RequestOutput
 from worker.request import FinishReason, Request, TierRef
@@ -45,69 +41,42 @@ class _RequestState:
 
 
 class Engine:
+    """Owns the loop and per-request state; the runner it drives may be real or simulated."""
+
     def __init__(
         self,
         config: EngineConfig,
-        model_path: Path,
         tokenizer: Any,
+        runner: StepRunner,
+        model_config: ModelConfig,
+        num_kv_blocks: int,
         policy: SchedulingPolicy | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        device = torch.device(config.device)
-        attention = TorchPagedAttention()
-        self.model, self.model_config = load_model(model_path, config.torch_dtype, device, attention)
-        if can_pack(self.model):
-            pack_linears(self.model)
-        self.max_model_len = min(self.model_config.max_position_embeddings, config.max_model_len or 1 << 30)
-        mc = self.model_config
-        bytes_per_block = kv_cache_bytes_per_block(
-            mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype
-        )
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_gb * 1024**3) // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_gb: {config.kv_cache_gb} GiB holds no {bytes_per_block}-byte block")
-        kv_caches = allocate_kv_cache(
-            mc.num_layers,
-            num_blocks,
-            config.block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            config.torch_dtype,
-            device,
-        )
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = runner
+        self.model_config = model_config
+        self.max_model_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 30)
+        self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.kv_cache, policy
         )
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, device)
         self.sampler = Sampler()
-        self.eos_token_ids = frozenset(mc.eos_token_ids) | _tokenizer_eos(tokenizer)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids) | _tokenizer_eos(tokenizer)
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
-        log.info(
-            "engine: %s (%s) on %s in %s, attention %s, %d KV blocks of %d tokens (%.2f GiB), "
-            "prefix caching %s",
-            model_path.name,
-            mc.architecture,
-            device,
-            config.dtype,
-            type(attention).__name__,
-            num_blocks,
-            config.block_size,
-            num_blocks * bytes_per_block / 1024**3,
-            "on" if config.enable_prefix_caching else "off",
-        )
 
     @classmethod
     def from_config(cls, config: EngineConfig, policy: SchedulingPolicy | None = None) -> Engine:
+        """Load the model named by ``config.model`` (a folder, or the embedded default) and its tokenizer."""
         from transformers import AutoTokenizer
 
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         model_path = resolve_model(config.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        return cls(config, model_path, tokenizer, policy)
+        runner, model_config, num_blocks = build_model_runner(config, model_path)
+        return cls(config, tokenizer, runner, model_config, num_blocks, policy)
 
     # ---- requests in -------------------------------------------------------------------------
 

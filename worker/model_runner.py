@@ -15,15 +15,34 @@ Only the last token of a request whose prompt is now fully computed is turned in
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from worker.attention import AttentionMetadata
+from worker.attention import (
+    AttentionMetadata,
+    TorchPagedAttention,
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+)
+from worker.config import EngineConfig
+from worker.models.config import ModelConfig
+from worker.models.cpu_packing import can_pack, pack_linears
 from worker.models.llama import LlamaForCausalLM
+from worker.models.loader import load_model
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+
+class StepRunner(Protocol):
+    """What the engine needs from a runner: run one scheduled step, return logits to sample from."""
+
+    device: torch.device
+
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]: ...
 
 
 class ModelRunner:
@@ -94,3 +113,35 @@ class ModelRunner:
             return [], torch.empty(0)
         index = torch.tensor(logits_indices, dtype=torch.int64, device=device)
         return sampled, self.model.compute_logits(hidden.index_select(0, index))
+
+
+def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRunner, ModelConfig, int]:
+    """Load the model, size and allocate its KV cache: (runner, model config, number of KV blocks)."""
+    device = torch.device(config.device)
+    attention = TorchPagedAttention()
+    model, model_config = load_model(model_path, config.torch_dtype, device, attention)
+    if can_pack(model):
+        pack_linears(model)
+    mc = model_config
+    bytes_per_block = kv_cache_bytes_per_block(
+        mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype
+    )
+    num_blocks = config.num_kv_blocks or int(config.kv_cache_gb * 1024**3) // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_gb: {config.kv_cache_gb} GiB holds no {bytes_per_block}-byte block")
+    kv_caches = allocate_kv_cache(
+        mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype, device
+    )
+    log.info(
+        "engine: %s (%s) on %s in %s, attention %s, %d KV blocks of %d tokens (%.2f GiB), prefix caching %s",
+        model_path.name,
+        mc.architecture,
+        device,
+        config.dtype,
+        type(attention).__name__,
+        num_blocks,
+        config.block_size,
+        num_blocks * bytes_per_block / 1024**3,
+        "on" if config.enable_prefix_caching else "off",
+    )
+    return ModelRunner(model, kv_caches, config.block_size, device), model_config, num_blocks
