@@ -1,14 +1,20 @@
-"""The ``tierserve`` command line: ``models pull``, ``generate``."""
+"""The ``tierserve`` command line: ``models pull``, ``generate``, ``worker``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from wire.errors import InvalidRequestError
 from wire.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.config import EngineConfig
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -40,21 +46,32 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("-v", "--verbose", action="store_true")
     _add_engine_args(gen)
 
+    worker = sub.add_parser("worker", help="run a worker daemon that dials a gateway over ZeroMQ")
+    worker.add_argument(
+        "--connect", required=True, help="the gateway's ROUTER: tcp://HOST:PORT or ipc://PATH"
+    )
+    worker.add_argument("--worker-id", default=None, help="identity on the gateway (default: host-pid)")
+    worker.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
+    worker.add_argument("--mock", action="store_true", help="a simulated model: no weights, timed steps")
+    worker.add_argument("--mock-step-ms", type=float, default=5.0, help="with --mock: fixed time per step")
+    worker.add_argument("-v", "--verbose", action="store_true")
+    _add_engine_args(worker)
+
     args = parser.parse_args(argv)
     if args.command == "models":
         from worker.models.store import pull_default_model
 
         pull_default_model(force=args.force)
         return 0
+    if args.command == "worker":
+        return _worker(args)
     return _generate(args)
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
     from worker.config import EngineConfig
-    from worker.engine import Engine
 
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    config = EngineConfig(
+    return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         kv_cache_gb=args.kv_cache_gb,
@@ -62,7 +79,43 @@ def _generate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
     )
-    engine = Engine.from_config(config)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from worker.daemon import WorkerDaemon
+    from worker.engine import Engine
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.heartbeat_interval <= 0:
+        print("error: --heartbeat-interval must be positive", file=sys.stderr)
+        return 2
+    config = _engine_config(args)
+    engine: Engine
+    if args.mock:
+        from worker.mock import MockCost, build_mock_engine  # lazy: torch-free tests never load it
+
+        engine = build_mock_engine(config, MockCost(fixed_ms=args.mock_step_ms))
+    else:
+        engine = Engine.from_config(config)
+    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    daemon = WorkerDaemon(
+        engine,
+        args.connect,
+        worker_id,
+        heartbeat_interval_s=args.heartbeat_interval,
+        model_name="mock" if args.mock else None,
+    )
+    return daemon.run()
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from worker.engine import Engine
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    engine = Engine.from_config(_engine_config(args))
     prompt = (
         args.prompt if args.raw else engine.apply_chat_template([{"role": "user", "content": args.prompt}])
     )

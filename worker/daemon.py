@@ -1,0 +1,320 @@
+"""The worker daemon: the engine loop in the main thread, fed by the socket thread (``daemon_io``).
+
+    loop:  take every queued message (Submit → engine.add_request, Abort, Shutdown)
+           engine.step() → one TokenBatch with every delta of the step → publish stats
+           idle → block on the inbound queue (with a timeout) instead of spinning
+
+Failover continuation (``Submit.resumed_token_ids``): the tokens the client has already seen are
+appended to the prompt the engine runs and ``max_tokens`` is reduced by their count, so the engine
+continues exactly where the old worker stopped (the model sees the same context) and emits only what
+follows them. Usage is reported as the client sees it: those tokens count as completion tokens, not
+prompt tokens. Two approximations, documented rather than hidden: presence/frequency penalties see
+the resumed tokens as prompt (the repetition penalty, which covers prompt and output, is exact), and a
+stop string that straddles the resume point is not matched.
+
+Drain (``Shutdown(drain=True)`` or SIGTERM): ``DrainNotice`` goes out at once so the gateway stops
+routing here; new Submits get ``Rejected(503)``; in-flight requests run to completion; exit code 0.
+``Shutdown(drain=False)`` or SIGINT: every in-flight request ends with finish_reason "abort" and the
+process exits promptly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import msgspec
+
+from wire.errors import InvalidRequestError
+from wire.messages import (
+    MAX_DELTAS_PER_BATCH,
+    MAX_MESSAGE_CHARS,
+    Abort,
+    DrainNotice,
+    GatewayMessage,
+    Register,
+    Rejected,
+    Shutdown,
+    Submit,
+    TokenBatch,
+    TokenDelta,
+    TokenLogprob,
+    Usage,
+    WorkerStats,
+)
+from worker.daemon_io import SocketIO
+from worker.engine import Engine
+from worker.models.store import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
+from worker.outputs import RequestOutput
+from worker.request import FinishReason, TierRef
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # idle: how long to block on the inbound queue before looking around again
+STEP_TIME_EMA_ALPHA = 0.1
+
+
+@dataclass(slots=True, frozen=True)
+class _Tracked:
+    """What the daemon remembers per running request to build its deltas."""
+
+    epoch: int
+    num_resumed: int  # tokens appended to the prompt from Submit.resumed_token_ids
+
+
+class WorkerDaemon:
+    def __init__(
+        self,
+        engine: Engine,
+        connect: str,
+        worker_id: str,
+        *,
+        heartbeat_interval_s: float = 0.5,
+        model_name: str | None = None,
+    ) -> None:
+        """``model_name``: what Register announces; by default the name of ``engine.config.model``."""
+        self.engine = engine
+        self.worker_id = worker_id
+        self.model_name = model_name or _model_name(engine.config.model)
+        self._requests: dict[str, _Tracked] = {}
+        self._num_steps = 0
+        self._step_time_ema_ms = 0.0
+        self._is_draining = False
+        self.io = SocketIO(
+            connect,
+            worker_id,
+            self._register(),
+            heartbeat_interval_s=heartbeat_interval_s,
+            initial_stats=self._stats(),
+        )
+
+    def run(self) -> int:
+        """Serve until a Shutdown (or SIGTERM/SIGINT); returns the process exit code."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.io.start()
+        try:
+            while True:
+                stop = self._handle_inbound(block=not self.engine.has_unfinished())
+                self.io.stats = self._stats()  # a queued request shows in heartbeats during a long step
+                if stop is not None and not stop.drain:
+                    self._abort_all()
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                elif self._is_draining:
+                    break
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            log.info(
+                "worker %s exiting after %d steps; %s",
+                self.worker_id,
+                self._num_steps,
+                self.io.decode_stats_line(),
+            )
+            self.io.close()
+        return 0
+
+    # ---- inbound ------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # SimpleQueue.put is reentrant: safe here, and it wakes the loop if it is blocked on the queue.
+        self.io.inbound.put(Shutdown(drain=signum == signal.SIGTERM))
+
+    def _handle_inbound(self, *, block: bool) -> Shutdown | None:
+        """Handle every queued message; a non-draining Shutdown is returned for the loop to act on."""
+        first = True
+        while True:
+            try:
+                message = self.io.inbound.get(block=block and first, timeout=IDLE_WAIT_S)
+            except queue.Empty:
+                return None
+            first = False
+            try:
+                stop = self._handle(message)
+            except Exception:
+                request_id = getattr(message, "request_id", None)
+                log.exception(
+                    "unexpected error handling %s for request %s", type(message).__name__, request_id
+                )
+                if isinstance(message, Submit):
+                    self._requests.pop(message.request_id, None)
+                    self.engine.abort(message.request_id)
+                    self._reject(message, 500, "internal", "internal error while admitting the request")
+                continue
+            if stop is not None:
+                return stop
+
+    def _handle(self, message: GatewayMessage) -> Shutdown | None:
+        if isinstance(message, Submit):
+            self._submit(message)
+        elif isinstance(message, Abort):
+            tracked = self._requests.get(message.request_id)
+            # Only the matching epoch: a late Abort of a failed-over attempt must not kill the new one.
+            if tracked is not None and tracked.epoch == message.epoch:
+                del self._requests[message.request_id]
+                self.engine.abort(message.request_id)
+        elif message.drain:
+            if not self._is_draining:
+                log.info("worker %s draining: %d requests in flight", self.worker_id, len(self._requests))
+                self._is_draining = True
+                self.io.send(DrainNotice(worker_id=self.worker_id, reason="shutdown requested"))
+        else:
+            return message
+        return None
+
+    def _submit(self, submit: Submit) -> None:
+        if self._is_draining:
+            self._reject(submit, 503, "worker", f"worker {self.worker_id} is draining; retry elsewhere")
+            return
+        tracked = self._requests.get(submit.request_id)
+        if tracked is not None:
+            if submit.epoch <= tracked.epoch:
+                self._reject(submit, 409, "request_id", f"epoch {tracked.epoch} of this request is running")
+                return
+            # A newer attempt supersedes the old one: the gateway has already given up on it.
+            del self._requests[submit.request_id]
+            self.engine.abort(submit.request_id)
+        engine = self.engine
+        num_resumed = len(submit.resumed_token_ids)
+        try:
+            submit.validate(vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len)
+            sampling = submit.sampling
+            if num_resumed:
+                sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - num_resumed)
+            engine.add_request(
+                [*submit.prompt_token_ids, *submit.resumed_token_ids],
+                sampling,
+                request_id=submit.request_id,
+                tier=TierRef(submit.tier.name, submit.tier.rank),
+                cache_salt=submit.cache_salt,
+            )
+        except InvalidRequestError as exc:
+            self._reject(submit, 400, exc.field, exc.message)
+            return
+        self._requests[submit.request_id] = _Tracked(submit.epoch, num_resumed)
+
+    def _reject(self, submit: Submit, status: int, field: str, message: str) -> None:
+        self.io.send(
+            Rejected(
+                request_id=submit.request_id,
+                epoch=submit.epoch,
+                status=status,
+                field=field,
+                message=message[:MAX_MESSAGE_CHARS],
+            )
+        )
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            # The engine already confines a failed model step to its requests; this is anything else
+            # (sampler, detokenizer). We cannot tell whose fault it was, so everyone running fails.
+            log.exception("engine step failed; failing requests %s", list(self._requests))
+            outputs = self._end_all(error="internal error")
+        elapsed_ms = (time.perf_counter() - start) * 1000
+        self._num_steps += 1
+        alpha = STEP_TIME_EMA_ALPHA if self._num_steps > 1 else 1.0
+        self._step_time_ema_ms += alpha * (elapsed_ms - self._step_time_ema_ms)
+        self._send_outputs(outputs)
+        self.io.stats = self._stats()
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        deltas = [d for d in map(self._delta, outputs) if d is not None]
+        for i in range(0, len(deltas), MAX_DELTAS_PER_BATCH):
+            self.io.send(
+                TokenBatch(
+                    worker_id=self.worker_id,
+                    step=self._num_steps,
+                    deltas=deltas[i : i + MAX_DELTAS_PER_BATCH],
+                )
+            )
+
+    def _delta(self, output: RequestOutput) -> TokenDelta | None:
+        tracked = self._requests.get(output.request_id)
+        if tracked is None:
+            return None  # aborted or superseded: the gateway wants nothing more for it
+        if output.is_finished:
+            del self._requests[output.request_id]
+        num_prompt = max(0, output.num_prompt_tokens - tracked.num_resumed)
+        return TokenDelta(
+            request_id=output.request_id,
+            epoch=tracked.epoch,
+            token_ids=output.new_token_ids,
+            text=output.text_delta,
+            logprobs=[
+                TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top) for lp in output.logprobs
+            ]
+            or None,
+            finish_reason=output.finish_reason.value if output.finish_reason is not None else None,
+            error=output.error[:MAX_MESSAGE_CHARS] if output.error is not None else None,
+            usage=Usage(
+                prompt_tokens=num_prompt,
+                completion_tokens=output.num_output_tokens + tracked.num_resumed,
+                cached_tokens=min(output.num_cached_tokens, num_prompt),
+            ),
+        )
+
+    def _abort_all(self) -> None:
+        log.info("worker %s stopping now: aborting %d requests", self.worker_id, len(self._requests))
+        self._send_outputs(self._end_all(error=None))
+
+    def _end_all(self, *, error: str | None) -> list[RequestOutput]:
+        """Drop every request from the engine; their final outputs ("error" or "abort") to send."""
+        reason = FinishReason.ERROR if error is not None else FinishReason.ABORT
+        outputs = []
+        for request_id in list(self._requests):
+            request = self.engine.scheduler.requests.get(request_id)
+            num_prompt = request.num_prompt_tokens if request is not None else 0
+            num_output = request.num_output_tokens if request is not None else 0
+            num_cached = request.num_cached_tokens if request is not None else 0
+            self.engine.abort(request_id)
+            outputs.append(
+                RequestOutput(request_id, [], "", reason, [], num_prompt, num_output, num_cached, error)
+            )
+        return outputs
+
+    # ---- what we tell the gateway about ourselves ---------------------------------------------
+
+    def _stats(self) -> WorkerStats:
+        scheduler = self.engine.scheduler
+        return WorkerStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_free_blocks=self.engine.kv_cache.num_free_blocks,
+            num_total_blocks=self.engine.kv_cache.pool.num_blocks,
+            step_time_ema_ms=self._step_time_ema_ms,
+            num_steps=self._num_steps,
+            num_preemptions=scheduler.num_preemptions,
+        )
+
+    def _register(self) -> Register:
+        engine = self.engine
+        config = engine.config
+        num_blocks = engine.kv_cache.pool.num_blocks
+        return Register(
+            worker_id=self.worker_id,
+            model=self.model_name,
+            dtype=config.dtype,
+            device=str(engine.runner.device),
+            num_kv_blocks=num_blocks,
+            block_size=config.block_size,
+            kv_capacity_tokens=num_blocks * config.block_size,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
+            pid=os.getpid(),
+        )
+
+
+def _model_name(model: str) -> str:
+    return DEFAULT_MODEL if model in DEFAULT_MODEL_ALIASES else Path(model).name
