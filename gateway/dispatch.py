@@ -1,0 +1,375 @@
+"""The gateway's one ZeroMQ ROUTER: Submit/Abort out, worker messages in, tokens demultiplexed per request.
+
+    submit() ── pick (registry) ── Submit ──▶ ROUTER ══▶ worker DEALERs (identity = worker_id)
+    RequestStream ◀── asyncio.Queue per request ◀── receive task ◀── TokenBatch / Rejected
+                                     registry ◀── receive task ◀── Register / Heartbeat / DrainNotice
+                        WorkerLost ◀── expiry task (no message for heartbeat_timeout_s)
+
+Everything runs on one event loop, so nothing here is locked. Sends are never awaited: they go out with
+DONTWAIT and either succeed at once or fail (ROUTER_MANDATORY turns "that worker is gone" into an error
+instead of a silent drop), which lets a cancelled consumer send its Abort from inside its cancellation.
+
+Trust: a frame is only believed from the connection it claims to come from (the ROUTER identity must be
+the worker id it names, and a delta must come from the worker its request was sent to, with the current
+epoch); anything else is counted and dropped. Identities are not authenticated until CURVE is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from gateway.request_stream import (
+    DispatcherClosed,
+    DispatchError,
+    InFlight,
+    NoWorkerAvailable,
+    RequestStream,
+    WorkerLost,
+    WorkerRejected,
+)
+from gateway.workers import WorkerInfo, WorkerRegistry, WorkerState
+from wire.codec import MAX_FRAME_BYTES, DecodeStats, encode, worker_message_decoder
+from wire.messages import (
+    Abort,
+    DrainNotice,
+    GatewayMessage,
+    Heartbeat,
+    Register,
+    Rejected,
+    Submit,
+    TokenBatch,
+    TokenDelta,
+)
+from wire.sampling import SamplingParams
+from wire.tier import Tier
+
+__all__ = [
+    "DispatchError",
+    "DispatchStats",
+    "Dispatcher",
+    "DispatcherClosed",
+    "NoWorkerAvailable",
+    "RequestStream",
+    "WorkerLost",
+    "WorkerRejected",
+]
+
+log = logging.getLogger(__name__)
+
+LINGER_MS = 200  # on close: long enough to flush the Aborts of in-flight requests
+ZMTP_HEARTBEAT_IVL_MS = 1000  # libzmq notices a half-open TCP link on its own, as the worker side does
+ZMTP_HEARTBEAT_TIMEOUT_MS = 5000
+
+
+@dataclass(slots=True, frozen=True)
+class DispatchStats:
+    num_workers_ready: int
+    num_workers_draining: int
+    num_workers_dead: int
+    num_in_flight: int
+    decode: DecodeStats  # frames that were not a valid message
+    num_dropped_multipart: int  # not the [identity, frame] shape a worker sends
+    num_dropped_unknown_peer: int  # well-formed, but not from the worker it names, or never registered
+    num_stale_deltas: int  # for a request no longer in flight here, an old epoch, or another worker
+    num_send_failures: int
+    num_workers_lost: int
+
+
+class Dispatcher:
+    """Owns the ROUTER socket, the worker registry and the in-flight requests of this gateway."""
+
+    def __init__(self, bind: str, *, heartbeat_timeout_s: float = 3.0) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.registry = WorkerRegistry()
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker replaces its old pipe
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone worker raises, never drops
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
+        self._sock.bind(bind)
+        # The real endpoint: tcp://127.0.0.1:0 binds an ephemeral port that workers need to know.
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._decoder = worker_message_decoder()
+        self._requests: dict[str, InFlight] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._changed = asyncio.Event()  # set and replaced whenever the registry or counters change
+        self._is_closed = False
+        self._num_dropped_multipart = 0
+        self._num_dropped_unknown_peer = 0
+        self._num_stale_deltas = 0
+        self._num_send_failures = 0
+        self._num_workers_lost = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name="dispatch-receive"),
+            asyncio.create_task(self._expire_loop(), name="dispatch-expire"),
+        ]
+
+    async def close(self) -> None:
+        """Abort every in-flight request (their streams end with DispatcherClosed) and free the socket."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for request in list(self._requests.values()):
+            self._abort(request)
+            request.queue.put_nowait(DispatcherClosed("the gateway's dispatcher is shutting down"))
+        self._sock.close(linger=LINGER_MS)
+        self._ctx.term()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
+        """Return once ``predicate()`` holds, re-checked after every worker message but token batches;
+        ``TimeoutError`` at the deadline."""
+        async with asyncio.timeout(timeout_s):
+            while not predicate():
+                await self._changed.wait()
+
+    async def wait_for_workers(self, model: str, n: int, timeout_s: float) -> None:
+        """Start-up: wait until ``n`` workers of ``model`` are ready; TimeoutError says how many are."""
+
+        def num_ready() -> int:
+            return self.registry.num_in_state(WorkerState.READY, model)
+
+        try:
+            await self.wait_until(lambda: num_ready() >= n, timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{num_ready()} of {n} workers of model {model!r} ready after {timeout_s} s"
+            ) from None
+
+    def stats(self) -> DispatchStats:
+        count = self.registry.num_in_state
+        return DispatchStats(
+            num_workers_ready=count(WorkerState.READY),
+            num_workers_draining=count(WorkerState.DRAINING),
+            num_workers_dead=count(WorkerState.DEAD),
+            num_in_flight=len(self._requests),
+            decode=dataclasses.replace(self._decoder.stats),
+            num_dropped_multipart=self._num_dropped_multipart,
+            num_dropped_unknown_peer=self._num_dropped_unknown_peer,
+            num_stale_deltas=self._num_stale_deltas,
+            num_send_failures=self._num_send_failures,
+            num_workers_lost=self._num_workers_lost,
+        )
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        model: str,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        tier: Tier,
+        cache_salt: str | None = None,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> RequestStream:
+        """Send the request to the least-loaded ready worker of ``model``; :class:`NoWorkerAvailable` if
+        there is none (or every one we tried turned out to be gone)."""
+        if self._is_closed:
+            raise DispatcherClosed("the gateway's dispatcher is closed")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        submit = Submit(
+            request_id=request_id,
+            epoch=0,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            tier=tier,
+            cache_salt=cache_salt,
+            trace_context=dict(trace_context or {}),
+            arrival_time=time.time(),
+        )
+        request = InFlight(submit, model, "", asyncio.Queue())
+        if not self._place(request, exclude=set()):
+            raise NoWorkerAvailable(model)
+        return RequestStream(request, self._abort)
+
+    def _place(self, request: InFlight, exclude: set[str]) -> bool:
+        """Send ``request.submit`` to the best worker not in ``exclude``; False if none would take it."""
+        frame = encode(request.submit)
+        while (worker := self.registry.pick(request.model, exclude=exclude)) is not None:
+            # Tracked before sending, so even an instant answer finds its queue.
+            request.worker_id = worker.worker_id
+            self._requests[request.request_id] = request
+            worker.in_flight_ids.add(request.request_id)
+            if self._send_frame(worker.worker_id, frame):
+                return True
+            self._forget(request)
+            exclude.add(worker.worker_id)
+        return False
+
+    def _abort(self, request: InFlight) -> None:
+        if self._requests.get(request.request_id) is request:
+            self._forget(request)
+            self._send(request.worker_id, Abort(request_id=request.request_id, epoch=request.submit.epoch))
+
+    def _forget(self, request: InFlight) -> None:
+        del self._requests[request.request_id]
+        worker = self.registry.get(request.worker_id)
+        if worker is not None:
+            worker.in_flight_ids.discard(request.request_id)
+
+    def _fail_over(self, request: InFlight, reason: str) -> None:
+        """The worker running ``request`` is gone. The migration hook: for now the stream ends with
+        WorkerLost; later this re-submits ``request.submit`` elsewhere with ``epoch + 1`` and
+        ``resumed_token_ids=request.token_ids`` (the epoch check already drops the old worker's tokens)."""
+        self._forget(request)
+        request.queue.put_nowait(WorkerLost(request.worker_id, request.request_id, reason))
+
+    def _on_worker_lost(self, worker: WorkerInfo, request_ids: set[str], reason: str) -> None:
+        self._num_workers_lost += 1
+        log.warning("worker %s lost (%s); %d requests in flight", worker.worker_id, reason, len(request_ids))
+        for request_id in list(request_ids):
+            request = self._requests.get(request_id)
+            if request is not None and request.worker_id == worker.worker_id:
+                # Best effort: a worker that was only stalled frees the blocks when it wakes.
+                self._send(worker.worker_id, Abort(request_id=request_id, epoch=request.submit.epoch))
+                self._fail_over(request, reason)
+        request_ids.clear()
+
+    # ---- sockets ------------------------------------------------------------------------------
+
+    def _send(self, worker_id: str, message: GatewayMessage) -> bool:
+        return self._send_frame(worker_id, encode(message))
+
+    def _send_frame(self, worker_id: str, frame: bytes) -> bool:
+        if self._sock.closed:
+            return False
+        # DONTWAIT: pyzmq tries the send at once and hands back a finished future; nothing is awaited.
+        future = self._sock.send_multipart([worker_id.encode(), frame], flags=zmq.DONTWAIT)
+        error = future.exception() if isinstance(future, asyncio.Future) and future.done() else None
+        if error is not None:
+            self._num_send_failures += 1
+            log.warning("could not send to worker %s: %s", worker_id, error)
+            return False
+        return True
+
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                parts = await self._sock.recv_multipart()
+            except zmq.ZMQError:
+                log.exception("the ROUTER socket failed; no more worker messages will arrive")
+                raise
+            try:
+                self._on_frames(parts, time.monotonic())
+            except Exception:
+                log.exception("unexpected error handling a worker message; dropped")
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_timeout_s / 4)
+            dead = self.registry.expire(time.monotonic(), self.heartbeat_timeout_s)
+            for worker in dead:
+                reason = f"no message for {self.heartbeat_timeout_s} s"
+                self._on_worker_lost(worker, worker.in_flight_ids, reason)
+            if dead:
+                self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _on_frames(self, parts: list[bytes], now: float) -> None:
+        if len(parts) != 2:
+            self._num_dropped_multipart += 1
+            self._notify()
+            return
+        identity, frame = parts
+        message = self._decoder.decode(frame)
+        if message is None:
+            self._notify()
+            return
+        if isinstance(message, Rejected):
+            self._on_rejected(identity, message, now)
+            return
+        if message.worker_id.encode() != identity:
+            self._drop_unknown_peer(identity, type(message).__name__)
+            return
+        if isinstance(message, TokenBatch):
+            if self.registry.touch(message.worker_id, now) is None:
+                self._drop_unknown_peer(identity, "TokenBatch")
+                return
+            for delta in message.deltas:
+                self._on_delta(message.worker_id, delta)
+            return
+        if isinstance(message, Register):
+            self._on_register(message, now)
+        elif isinstance(message, Heartbeat):
+            if self.registry.on_heartbeat(message, now) is None:
+                self._drop_unknown_peer(identity, "Heartbeat")
+        elif isinstance(message, DrainNotice):
+            if self.registry.on_drain(message, now) is None:
+                self._drop_unknown_peer(identity, "DrainNotice")
+            else:
+                log.info("worker %s draining: %s", message.worker_id, message.reason)
+        self._notify()
+
+    def _on_register(self, message: Register, now: float) -> None:
+        known = self.registry.get(message.worker_id)
+        previous_pid = known.register.pid if known is not None else None
+        lost = self.registry.on_register(message, now)
+        log.info(
+            "worker %s registered: model %s, pid %d (before: %s), %d KV blocks, context %d",
+            message.worker_id,
+            message.model,
+            message.pid,
+            previous_pid,
+            message.num_kv_blocks,
+            message.max_model_len,
+        )
+        if lost:
+            worker = self.registry.get(message.worker_id)
+            assert worker is not None
+            self._on_worker_lost(worker, lost, f"restarted (pid {previous_pid} → {message.pid})")
+
+    def _on_delta(self, worker_id: str, delta: TokenDelta) -> None:
+        request = self._requests.get(delta.request_id)
+        if request is None or request.submit.epoch != delta.epoch or request.worker_id != worker_id:
+            self._num_stale_deltas += 1  # aborted, failed over, or finished: nobody waits for it
+            return
+        request.token_ids.extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            self._forget(request)
+        request.queue.put_nowait(delta)
+
+    def _on_rejected(self, identity: bytes, message: Rejected, now: float) -> None:
+        request = self._requests.get(message.request_id)
+        if request is None or request.submit.epoch != message.epoch or request.worker_id.encode() != identity:
+            self._num_stale_deltas += 1
+            return
+        self.registry.touch(request.worker_id, now)
+        self._forget(request)
+        # 503: the worker began draining after we picked it. It ran nothing, so the same Submit (same
+        # epoch) can go to another worker; the client never learns.
+        if message.status == 503 and self._place(request, exclude={request.worker_id}):
+            return
+        request.queue.put_nowait(WorkerRejected(message.status, message.field, message.message))
+
+    def _drop_unknown_peer(self, identity: bytes, what: str) -> None:
+        self._num_dropped_unknown_peer += 1
+        if self._num_dropped_unknown_peer == 1 or self._num_dropped_unknown_peer % 1000 == 0:
+            log.warning(
+                "dropped a %s from peer %r: not a registered worker of that id (%d such drops)",
+                what,
+                identity[:64],
+                self._num_dropped_unknown_peer,
+            )
+        self._notify()

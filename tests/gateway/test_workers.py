@@ -1,0 +1,126 @@
+"""The worker registry: least-loaded picks, round-robin ties, drain and expiry (no sockets, no clock)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from gateway.workers import WorkerRegistry, WorkerState
+from wire.messages import DrainNotice, Heartbeat, Register, WorkerStats
+
+
+def _register(worker_id: str, *, model: str = "m", pid: int = 1) -> Register:
+    return Register(
+        worker_id=worker_id,
+        model=model,
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=100,
+        block_size=16,
+        kv_capacity_tokens=1600,
+        max_model_len=4096,
+        pid=pid,
+    )
+
+
+def _heartbeat(
+    worker_id: str, *, running: int = 0, waiting: int = 0, free: int = 100, seq: int = 0
+) -> Heartbeat:
+    stats = WorkerStats(
+        num_running=running,
+        num_waiting=waiting,
+        num_free_blocks=free,
+        num_total_blocks=100,
+        step_time_ema_ms=1.0,
+        num_steps=0,
+        num_preemptions=0,
+    )
+    return Heartbeat(worker_id=worker_id, seq=seq, sent_at=0.0, stats=stats)
+
+
+def _registry(*worker_ids: str, now: float = 0.0) -> WorkerRegistry:
+    registry = WorkerRegistry()
+    for worker_id in worker_ids:
+        registry.on_register(_register(worker_id), now)
+    return registry
+
+
+def _picked(registry: WorkerRegistry, model: str = "m") -> str | None:
+    info = registry.pick(model)
+    return info.worker_id if info is not None else None
+
+
+def test_pick_prefers_fewest_requests_then_least_kv() -> None:
+    registry = _registry("a", "b", "c")
+    registry.on_heartbeat(_heartbeat("a", running=2), 0.0)
+    registry.on_heartbeat(_heartbeat("b", running=1, waiting=1), 0.0)
+    registry.on_heartbeat(_heartbeat("c", running=1, free=10), 0.0)
+    assert _picked(registry) == "c"  # 1 request beats 2, whatever its KV use
+    registry.on_heartbeat(_heartbeat("a", running=1, free=50), 0.0)
+    assert _picked(registry) == "a"  # tied on requests: 50% KV in use beats 90%
+
+
+def test_in_flight_count_beats_a_stale_heartbeat() -> None:
+    registry = _registry("a", "b")
+    info_a = registry.get("a")
+    assert info_a is not None
+    info_a.in_flight_ids.update({"r1", "r2"})  # sent since its last (idle) heartbeat
+    registry.on_heartbeat(_heartbeat("b", running=1), 0.0)
+    assert _picked(registry) == "b"
+
+
+def test_exact_ties_rotate() -> None:
+    registry = _registry("a", "b", "c")
+    picks = Counter(_picked(registry) for _ in range(9))
+    assert picks == {"a": 3, "b": 3, "c": 3}
+
+
+def test_only_ready_workers_of_the_model_are_picked() -> None:
+    registry = _registry("a", "b")
+    registry.on_register(_register("other", model="small"), 0.0)
+    registry.on_drain(DrainNotice(worker_id="a", reason="sigterm"), 0.0)
+    assert {_picked(registry) for _ in range(4)} == {"b"}
+    assert _picked(registry, "small") == "other"
+    assert _picked(registry, "nope") is None
+    assert registry.pick("m", exclude={"b"}) is None
+    assert registry.num_in_state(WorkerState.DRAINING) == 1
+
+
+def test_expire_marks_silent_workers_dead_once() -> None:
+    registry = _registry("a", "b", now=0.0)
+    registry.on_heartbeat(_heartbeat("b"), 2.0)
+    registry.touch("a", 0.5)  # tokens count as a sign of life too
+    dead = registry.expire(now=3.6, timeout_s=3.0)
+    assert [w.worker_id for w in dead] == ["a"]
+    assert registry.expire(now=3.7, timeout_s=3.0) == []  # already dead: not reported again
+    assert _picked(registry) == "b"
+    assert [w.worker_id for w in registry.expire(now=10.0, timeout_s=3.0)] == ["b"]
+    assert _picked(registry) is None
+
+
+def test_a_dead_worker_comes_back_with_a_heartbeat_or_register() -> None:
+    registry = _registry("a")
+    registry.expire(now=10.0, timeout_s=3.0)
+    registry.touch("a", 11.0)  # a stray token batch does not revive it
+    assert _picked(registry) is None
+    registry.on_heartbeat(_heartbeat("a"), 12.0)
+    assert _picked(registry) == "a"
+
+
+def test_reregister_same_pid_keeps_requests_new_pid_loses_them() -> None:
+    registry = _registry("a")
+    info = registry.get("a")
+    assert info is not None
+    info.in_flight_ids.add("r1")
+    assert registry.on_register(_register("a", pid=1), 1.0) == set()  # a reconnect
+    assert info.in_flight_ids == {"r1"}
+    assert registry.on_register(_register("a", pid=2, model="m2"), 2.0) == {"r1"}  # a new process
+    assert info.in_flight_ids == set()
+    assert info.model == "m2"
+    assert len(registry) == 1
+
+
+def test_heartbeat_from_an_unregistered_worker_is_ignored() -> None:
+    registry = WorkerRegistry()
+    assert registry.on_heartbeat(_heartbeat("ghost"), 0.0) is None
+    assert registry.on_drain(DrainNotice(worker_id="ghost", reason="x"), 0.0) is None
+    assert len(registry) == 0
