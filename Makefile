@@ -25,7 +25,7 @@ model: bootstrap
 	$(VENV)/bin/tierserve models pull
 
 serve: model
-	$(VENV)/bin/tierserve generate "What is the capital of France?"
+	$(VENV)/bin/tierserve serve
 
 generate: model
 	$(VENV)/bin/tierserve generate "$(PROMPT)"

@@ -19,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from wire.byte_tokenizer import BOS_ID, BYTE_OFFSET, EOS_ID, VOCAB_SIZE, ByteTokenizer
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.models.config import ModelConfig
@@ -31,80 +32,20 @@ from worker.request import Request
 from worker.scheduler import SchedulerOutput
 from worker.scheduling_policy import SchedulingPolicy
 
-SPECIAL_TOKENS = ("<|end|>", "<|begin|>", "<|pad|>", "<|header|>")
-EOS_ID, BOS_ID, PAD_ID, HEADER_ID = range(len(SPECIAL_TOKENS))
-BYTE_OFFSET = len(SPECIAL_TOKENS)
-VOCAB_SIZE = BYTE_OFFSET + 256
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "VOCAB_SIZE",
+    "MockCost",
+    "MockModel",
+    "MockRunner",
+    "MockTokenizer",
+    "build_mock_engine",
+    "mock_model_config",
+]
 
-
-class MockTokenizer:
-    """The subset of the Hugging Face tokenizer API that the engine and detokenizer call."""
-
-    eos_token_id = EOS_ID
-    bos_token_id = BOS_ID
-    pad_token_id = PAD_ID
-    eos_token = SPECIAL_TOKENS[EOS_ID]
-    bos_token = SPECIAL_TOKENS[BOS_ID]
-    pad_token = SPECIAL_TOKENS[PAD_ID]
-    vocab_size = VOCAB_SIZE
-
-    @property
-    def all_special_ids(self) -> list[int]:
-        return list(range(BYTE_OFFSET))
-
-    @property
-    def all_special_tokens(self) -> list[str]:
-        return list(SPECIAL_TOKENS)
-
-    def __len__(self) -> int:
-        return VOCAB_SIZE
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Bytes of ``text`` (special-token names in it are plain text, never special ids)."""
-        ids = [BYTE_OFFSET + b for b in text.encode("utf-8")]
-        return [BOS_ID, *ids] if add_special_tokens else ids
-
-    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Like a byte-level BPE: an incomplete UTF-8 sequence decodes to U+FFFD."""
-        ids = [token_ids] if isinstance(token_ids, int) else token_ids
-        parts: list[str] = []
-        pending = bytearray()
-        for token_id in ids:
-            if not 0 <= token_id < VOCAB_SIZE:
-                raise ValueError(f"token id {token_id} outside the mock vocabulary of {VOCAB_SIZE}")
-            if token_id >= BYTE_OFFSET:
-                pending.append(token_id - BYTE_OFFSET)
-                continue
-            # A special token ends any pending bytes: they cannot join bytes after it.
-            parts.append(pending.decode("utf-8", errors="replace"))
-            pending.clear()
-            if not skip_special_tokens:
-                parts.append(SPECIAL_TOKENS[token_id])
-        parts.append(pending.decode("utf-8", errors="replace"))
-        return "".join(parts)
-
-    def convert_ids_to_tokens(self, token_ids: int | Sequence[int]) -> str | list[str]:
-        if isinstance(token_ids, int):
-            return _token_name(token_ids)
-        return [_token_name(t) for t in token_ids]
-
-    def apply_chat_template(
-        self,
-        messages: Iterable[dict[str, str]],
-        add_generation_prompt: bool = True,
-        tokenize: bool = True,
-    ) -> list[int] | str:
-        """``<|begin|>``, ``<|header|>{role}\\n{content}<|end|>`` per message, then an open assistant turn."""
-        ids = [BOS_ID]
-        for message in messages:
-            ids += [HEADER_ID, *self.encode(f"{message['role']}\n{message['content']}"), EOS_ID]
-        if add_generation_prompt:
-            ids += [HEADER_ID, *self.encode("assistant\n")]
-        return ids if tokenize else self.decode(ids)
-
-
-def _token_name(token_id: int) -> str:
-    return SPECIAL_TOKENS[token_id] if token_id < BYTE_OFFSET else f"<0x{token_id - BYTE_OFFSET:02X}>"
+# The tokenizer lives in wire/ so the gateway can build mock prompts without importing the worker.
+MockTokenizer = ByteTokenizer
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,0 +1,162 @@
+"""``tierserve serve``: one process that runs the gateway and owns its worker processes.
+
+    serve ─┬─ Dispatcher (ROUTER on tcp://127.0.0.1:<ephemeral>)
+           ├─ worker processes: python -m worker.cli worker --connect ...   (children, killed on exit)
+           └─ uvicorn on host:port, /ready 503 until a worker has registered
+
+This module starts workers by command line only; it never imports the worker package (the gateway must
+stay torch-free). Shutdown (Ctrl-C, SIGTERM, or a worker dying before it was ever ready) always runs the
+same ``finally``: stop uvicorn, close the dispatcher, SIGTERM the children, SIGKILL what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import uvicorn
+
+from gateway.app import Gateway, create_app
+from gateway.dispatch import Dispatcher
+from gateway.tokenizer import PromptBuilder
+from gateway.workers import WorkerState
+from wire.config import ServerConfig
+
+WORKER_STOP_TIMEOUT_S = 10.0
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    host: str
+    port: int
+    model_name: str  # what workers register as and clients put in "model"
+    builder: PromptBuilder
+    worker_args: Sequence[str]  # passed to every `worker` subcommand (--mock, or --model FOLDER ...)
+    num_workers: int
+    config: ServerConfig
+    ready_timeout_s: float = 600.0
+    log_level: str = "warning"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: it would re-raise SIGTERM after serving, killing this
+    process before the ``finally`` that stops the workers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def serve(options: ServeOptions) -> int:
+    return asyncio.run(_serve(options))
+
+
+async def _serve(options: ServeOptions) -> int:
+    dispatcher = Dispatcher("tcp://127.0.0.1:0")
+    await dispatcher.start()
+    workers: list[subprocess.Popen[bytes]] = []
+    waiter: asyncio.Task[bool] | None = None
+    try:
+        _say(f"starting {options.num_workers} worker(s) of {options.model_name!r} on {dispatcher.address}")
+        workers = [_spawn(dispatcher.address, i, options) for i in range(options.num_workers)]
+        gateway = Gateway(dispatcher, options.config, {options.model_name: options.builder}, int(time.time()))
+        config = uvicorn.Config(
+            create_app(gateway), host=options.host, port=options.port, log_level=options.log_level,
+            lifespan="off", timeout_graceful_shutdown=5,
+        )  # fmt: skip
+        server = _Server(config)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, _request_exit, server)
+        waiter = asyncio.create_task(_wait_for_workers(dispatcher, workers, options, server))
+        await server.serve()
+        if not server.started:
+            return 1  # uvicorn could not bind; it said why
+        return 0 if not waiter.done() or waiter.result() else 1
+    finally:
+        if waiter is not None:
+            waiter.cancel()
+            await asyncio.gather(waiter, return_exceptions=True)
+        await dispatcher.close()
+        _stop_workers(workers)
+        _say("stopped")
+
+
+def _request_exit(server: uvicorn.Server) -> None:
+    if server.should_exit:
+        server.force_exit = True  # a second Ctrl-C: do not wait for open streams
+    server.should_exit = True
+
+
+async def _wait_for_workers(
+    dispatcher: Dispatcher, workers: list[subprocess.Popen[bytes]], options: ServeOptions, server: _Server
+) -> bool:
+    """Report progress until every worker is ready; False (and stop serving) if one exits or the
+    deadline passes first."""
+
+    def num_ready() -> int:
+        return dispatcher.registry.num_in_state(WorkerState.READY, options.model_name)
+
+    deadline = time.monotonic() + options.ready_timeout_s
+    reported = -1
+    while (ready := num_ready()) < len(workers):
+        if ready != reported:
+            _say(f"{ready}/{len(workers)} workers ready")
+            reported = ready
+        dead = [w for w in workers if w.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            why = f"worker exited with code {dead[0].returncode}" if dead else "timed out"
+            _say(f"error: workers not ready ({why}); stopping")
+            server.should_exit = True
+            return False
+        # Wake on any registry change; the timeout is only so a crashed child is noticed.
+        with contextlib.suppress(TimeoutError):
+            await dispatcher.wait_until(lambda r=ready: num_ready() != r, timeout_s=1.0)  # type: ignore[misc]
+    host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
+    _say(
+        f"{len(workers)}/{len(workers)} workers ready; serving {options.model_name!r} on http://{host}:{options.port}"
+    )
+    _say(
+        f"try:\n  curl http://{host}:{options.port}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"""-d '{{"model": "{options.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'"""
+    )
+    return True
+
+
+def _spawn(address: str, index: int, options: ServeOptions) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "worker.cli", "worker", "--connect", address,
+        "--worker-id", f"{options.model_name}-{index}", *options.worker_args,
+    ]  # fmt: skip
+    return subprocess.Popen(command, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when this process dies, even by SIGKILL (no orphans)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _stop_workers(workers: list[subprocess.Popen[bytes]]) -> None:
+    for worker in workers:
+        if worker.poll() is None:
+            worker.terminate()
+    deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
+    for worker in workers:
+        try:
+            worker.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+
+
+def _say(message: str) -> None:
+    print(f"tierserve: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,118 @@
+"""Prompt building at the gateway, without torch: chat template + tokenizer → prompt token ids.
+
+For a Hugging Face folder this reproduces ``transformers``' ``apply_chat_template(..., tokenize=True)``
+from its parts: the template is rendered in jinja2's immutable sandbox with the special tokens of
+``tokenizer_config.json`` and ``add_generation_prompt=True``, and the text is encoded by the
+``tokenizers`` library with ``add_special_tokens=False`` (the template already wrote them). For the
+``mock`` model it is the shared byte tokenizer.
+
+Tokenizing a long prompt takes milliseconds of CPU: the ``*_async`` methods run it in a thread so the
+event loop keeps streaming other requests' tokens meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from wire.byte_tokenizer import ByteTokenizer
+
+Message = Mapping[str, str]  # {"role": ..., "content": ...}, content already flattened to text
+
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class PromptBuilder(Protocol):
+    def chat_ids(self, messages: Sequence[Message]) -> list[int]: ...
+
+    def text_ids(self, text: str) -> list[int]: ...
+
+
+class BytePromptBuilder:
+    """The mock model's prompts: the same ids its workers' MockTokenizer would produce."""
+
+    def __init__(self) -> None:
+        self._tokenizer = ByteTokenizer()
+
+    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+        ids = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        assert isinstance(ids, list)
+        return ids
+
+    def text_ids(self, text: str) -> list[int]:
+        # As Engine.add_request encodes a string prompt: no special tokens added.
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+class HFPromptBuilder:
+    """A Hugging Face model folder's tokenizer.json + chat template, with no transformers import."""
+
+    def __init__(self, folder: Path) -> None:
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config_path = folder / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+        template_path = folder / "chat_template.jinja"
+        source = template_path.read_text() if template_path.exists() else config.get("chat_template")
+        if not isinstance(source, str):
+            raise ValueError(f"{folder}: no chat template (chat_template.jinja or tokenizer_config.json)")
+        # The environment transformers uses, so templates behave the same (whitespace, loop controls).
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        self._template = env.from_string(source)
+        self._special_tokens = {key: _token_text(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
+
+    def render(self, messages: Sequence[Message]) -> str:
+        return self._template.render(
+            messages=[dict(m) for m in messages], add_generation_prompt=True, **self._special_tokens
+        )
+
+    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+        return self.text_ids(self.render(messages))
+
+    def text_ids(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+async def chat_ids_async(builder: PromptBuilder, messages: Sequence[Message]) -> list[int]:
+    return await asyncio.to_thread(builder.chat_ids, messages)
+
+
+async def text_ids_async(builder: PromptBuilder, text: str) -> list[int]:
+    return await asyncio.to_thread(builder.text_ids, text)
+
+
+def _token_text(value: object) -> str:
+    """Older configs write a special token as ``{"content": "<s>", ...}`` (an AddedToken)."""
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return value if isinstance(value, str) else ""
+
+
+def _tojson(value: object, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+class TemplateError(ValueError):
+    """The chat template refused the messages (for example, roles out of order): a client mistake."""
