@@ -1,8 +1,11 @@
 """The HTTP front: the OpenAI endpoints, ``/v1/models``, ``/health`` and ``/ready``.
 
-    body ─▶ openai_api (decode) ─▶ tokenizer (thread) ─▶ context check ─▶ Dispatcher.submit ─▶ RequestStream
-                                                                              │
-                          JSON (collected)  or  SSE chunks (EventStreamResponse) ◀─┘
+    headers ─▶ identity (tenant, tier; 401/400/403) ─▶ body ─▶ openai_api (decode) ─▶ tokenizer (thread)
+        ─▶ context check ─▶ Dispatcher.submit(tier) ─▶ RequestStream
+                                                            │
+            JSON (collected)  or  SSE chunks (EventStreamResponse) ◀─┘
+
+While draining (SIGTERM, see gateway/drain.py) the completion routes answer 503 and ``/ready`` 503.
 
 The first token (or the worker's refusal) is awaited before any response starts, so a request the
 worker rejects still gets its 4xx status instead of a 200 stream that carries an error.
@@ -13,13 +16,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -27,7 +31,9 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.dispatch import Dispatcher
+from gateway.drain import Drain, DrainMiddleware
 from gateway.errors import APIError
+from gateway.identity import Identity, identify
 from gateway.openai_api import (
     ChatCompletionRequest,
     ChatRenderer,
@@ -51,6 +57,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 BODY_DRAIN_FACTOR = 16  # read (and discard) up to this many times the limit, so the client sees the 413
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+COMPLETION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})  # refused while draining; waited for
 
 
 @dataclass(slots=True)
@@ -59,13 +68,10 @@ class Gateway:
     config: ServerConfig
     builders: Mapping[str, PromptBuilder]  # served model name → its prompt builder
     started_at: int
+    drain: Drain = field(default_factory=Drain)
 
-    @property
-    def tier_name(self) -> str:
-        return self.config.default_tier  # tenants and the X-SLA-Tier header come with identity/classify
-
-    def headers(self, model: str) -> dict[str, str]:
-        return {"x-sla-tier": self.tier_name, "x-tierserve-model": model}
+    def headers(self, model: str, identity: Identity) -> dict[str, str]:
+        return {"x-sla-tier": identity.tier.name, "x-tierserve-model": model}
 
     def builder(self, model: str) -> PromptBuilder:
         builder = self.builders.get(model)
@@ -87,6 +93,7 @@ class Gateway:
 
 def create_app(gateway: Gateway) -> Starlette:
     async def chat(request: Request) -> Response:
+        identity = identify(gateway.config, request.headers)
         body = await _read_body(request, gateway.config.gateway.max_body_bytes)
         parsed = _parse(decode_chat, body)
         builder = gateway.builder(parsed.model)
@@ -97,9 +104,10 @@ def create_app(gateway: Gateway) -> Starlette:
         except TemplateError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", parsed.model, parsed.include_usage)
-        return await _run(gateway, parsed, prompt_ids, renderer)
+        return await _run(gateway, identity, parsed, prompt_ids, renderer)
 
     async def completions(request: Request) -> Response:
+        identity = identify(gateway.config, request.headers)
         body = await _read_body(request, gateway.config.gateway.max_body_bytes)
         parsed = _parse(decode_completion, body)
         builder = gateway.builder(parsed.model)
@@ -107,7 +115,7 @@ def create_app(gateway: Gateway) -> Starlette:
         prompt = parsed.prompt
         prompt_ids = await text_ids_async(builder, prompt) if isinstance(prompt, str) else list(prompt)
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", parsed.model, parsed.include_usage)
-        return await _run(gateway, parsed, prompt_ids, renderer)
+        return await _run(gateway, identity, parsed, prompt_ids, renderer)
 
     async def models(request: Request) -> Response:
         cards = [ModelCard(id=name, created=gateway.started_at) for name in gateway.builders]
@@ -117,6 +125,8 @@ def create_app(gateway: Gateway) -> Starlette:
         return Response("ok\n", media_type="text/plain")
 
     async def ready(request: Request) -> Response:
+        if gateway.drain.is_draining:
+            return Response("draining\n", status_code=503, media_type="text/plain")
         num_ready = gateway.dispatcher.registry.num_in_state(WorkerState.READY)
         if num_ready == 0:
             return Response("no ready worker\n", status_code=503, media_type="text/plain")
@@ -136,34 +146,38 @@ def create_app(gateway: Gateway) -> Starlette:
 
     return Starlette(
         routes=[
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
+            Route(CHAT_PATH, chat, methods=["POST"]),
+            Route(COMPLETIONS_PATH, completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
         ],
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_bug},
+        middleware=[Middleware(DrainMiddleware, drain=gateway.drain, paths=COMPLETION_PATHS)],
     )
 
 
 async def _run(
     gateway: Gateway,
+    identity: Identity,
     parsed: ChatCompletionRequest | CompletionRequest,
     prompt_ids: Sequence[int],
     renderer: Renderer,
 ) -> Response:
     model = parsed.model
     sampling = _sampling(gateway, parsed, prompt_ids)
-    tier = gateway.config.tier(gateway.tier_name)
+    log.debug("request %s: tenant %s, tier %s", renderer.request_id, identity.tenant.name, identity.tier.name)
     try:
-        stream = await gateway.dispatcher.submit(model, renderer.request_id, prompt_ids, sampling, tier)
+        stream = await gateway.dispatcher.submit(
+            model, renderer.request_id, prompt_ids, sampling, identity.tier
+        )
     except DispatchError as exc:
         raise errors.from_dispatch(exc) from None
     try:
         first = await anext(stream)
     except DispatchError as exc:
         raise errors.from_dispatch(exc) from None
-    headers = gateway.headers(model)
+    headers = gateway.headers(model, identity)
     if parsed.stream:
         return EventStreamResponse(_events(stream, first, renderer), headers)
     async with stream:

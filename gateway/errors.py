@@ -39,12 +39,21 @@ class ErrorBody(msgspec.Struct, kw_only=True):
 class APIError(Exception):
     """Raised anywhere in a handler; the app turns it into the JSON response."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,  # e.g. WWW-Authenticate on a 401
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> ErrorBody:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
@@ -55,7 +64,7 @@ class APIError(Exception):
             msgspec.json.encode(self.body()),
             status_code=self.status,
             media_type="application/json",
-            headers=headers,
+            headers={**self.headers, **(headers or {})},
         )
 
 
@@ -71,6 +80,16 @@ def unknown_model(model: str, served: list[str]) -> APIError:
 
 def body_too_large(limit: int) -> APIError:
     return APIError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+
+
+def draining() -> APIError:
+    # Connection: close so a keep-alive client reconnects, and its balancer picks another gateway.
+    return APIError(
+        503,
+        "this gateway is shutting down; retry on another",
+        code="draining",
+        headers={"connection": "close"},
+    )
 
 
 def from_dispatch(exc: DispatchError) -> APIError:

@@ -7,6 +7,10 @@
 This module starts workers by command line only; it never imports the worker package (the gateway must
 stay torch-free). Shutdown (Ctrl-C, SIGTERM, or a worker dying before it was ever ready) always runs the
 same ``finally``: stop uvicorn, close the dispatcher, SIGTERM the children, SIGKILL what is left.
+
+SIGTERM drains first (what an orchestrator sends before it kills a pod): ``/ready`` and new completions
+answer 503 at once, running requests finish for up to ``gateway.drain_timeout_s``, then the shutdown
+above runs and the process exits 0. Ctrl-C (SIGINT) skips the drain; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ async def _serve(options: ServeOptions) -> int:
     await dispatcher.start()
     workers: list[subprocess.Popen[bytes]] = []
     waiter: asyncio.Task[bool] | None = None
+    drainer: asyncio.Task[None] | None = None
     try:
         _say(f"starting {options.num_workers} worker(s) of {options.model_name!r} on {dispatcher.address}")
         workers = [_spawn(dispatcher.address, i, options) for i in range(options.num_workers)]
@@ -73,20 +78,41 @@ async def _serve(options: ServeOptions) -> int:
         )  # fmt: skip
         server = _Server(config)
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, _request_exit, server)
+
+        def on_sigterm() -> None:
+            nonlocal drainer
+            if drainer is not None:
+                _request_exit(server)  # already draining: the caller wants us gone now
+                return
+            timeout_s = options.config.gateway.drain_timeout_s
+            drainer = asyncio.create_task(_drain_then_exit(gateway, server, timeout_s))
+
+        loop.add_signal_handler(signal.SIGINT, _request_exit, server)
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
         waiter = asyncio.create_task(_wait_for_workers(dispatcher, workers, options, server))
         await server.serve()
         if not server.started:
             return 1  # uvicorn could not bind; it said why
         return 0 if not waiter.done() or waiter.result() else 1
     finally:
-        if waiter is not None:
-            waiter.cancel()
-            await asyncio.gather(waiter, return_exceptions=True)
+        for task in (waiter, drainer):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await dispatcher.close()
         _stop_workers(workers)
         _say("stopped")
+
+
+async def _drain_then_exit(gateway: Gateway, server: _Server, timeout_s: float) -> None:
+    drain = gateway.drain
+    drain.start()
+    _say(f"SIGTERM: draining {drain.num_in_flight} request(s), for at most {timeout_s:g} s")
+    if not await drain.wait_idle(timeout_s):
+        _say(f"drain timed out with {drain.num_in_flight} request(s) running; ending them")
+        # Their streams end with an error event now, so their connections close and uvicorn can stop.
+        await gateway.dispatcher.close()
+    server.should_exit = True
 
 
 def _request_exit(server: uvicorn.Server) -> None:

@@ -1,0 +1,77 @@
+"""Who is calling and at which tier: ``Authorization: Bearer KEY`` → tenant, ``X-SLA-Tier`` → tier.
+
+    no key ──▶ the keyless tenant (401 if keys are required or there is none)
+    a key  ──▶ its tenant (401 if it matches none; ignored when no tenant has a key at all)
+    X-SLA-Tier (else the tenant's default) ──▶ Tier   (400 unknown name, 403 above the tenant's max_tier)
+
+Resolved once per request, before the body is read, so a caller without a valid key learns nothing
+about the request it sent. Error messages never echo the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway.errors import APIError
+from wire.config import ServerConfig, Tenant, TierNotAllowedError
+from wire.tier import Tier
+
+TIER_HEADER = "X-SLA-Tier"
+_BEARER = "bearer "
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    tenant: Tenant
+    tier: Tier
+
+
+def identify(config: ServerConfig, headers: Mapping[str, str]) -> Identity:
+    """The caller's tenant and tier from the request headers (looked up lower-case, as ASGI gives
+    them); :class:`APIError` 401 / 400 / 403 otherwise."""
+    tenant = _tenant(config, _bearer_key(headers.get("authorization")))
+    requested = (headers.get(TIER_HEADER.lower()) or "").strip() or None
+    try:
+        tier = config.resolve_tier(tenant, requested)
+    except TierNotAllowedError as exc:
+        raise APIError(403, str(exc), param=TIER_HEADER, code="tier_not_allowed") from None
+    except KeyError as exc:
+        raise APIError(400, f"{TIER_HEADER}: {exc.args[0]}", param=TIER_HEADER, code="unknown_tier") from None
+    return Identity(tenant, tier)
+
+
+def _bearer_key(authorization: str | None) -> str | None:
+    """The key of ``Bearer KEY``; "" for any other (malformed) Authorization, so it cannot pass as
+    no key at all; None when there is no header."""
+    if authorization is None:
+        return None
+    if authorization[: len(_BEARER)].lower() != _BEARER:
+        return ""
+    return authorization[len(_BEARER) :].strip()
+
+
+def _tenant(config: ServerConfig, key: str | None) -> Tenant:
+    if key is None:
+        anonymous = config.anonymous_tenant()
+        if anonymous is None:
+            raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'", "missing_api_key")
+        return anonymous
+    tenant = config.tenant_for_key(key)
+    if tenant is not None:
+        return tenant
+    if config.gateway.require_api_key or _has_keys(config):
+        raise _unauthorized("invalid API key", "invalid_api_key")
+    # No tenant has a key, so none was expected: clients that always send one (the openai SDK
+    # insists on some key) still reach the keyless tenant.
+    anonymous = config.anonymous_tenant()
+    assert anonymous is not None, "config validation guarantees a keyless tenant when no tenant has keys"
+    return anonymous
+
+
+def _has_keys(config: ServerConfig) -> bool:
+    return any(t.api_keys or t.api_key_sha256 for t in config.tenants)
+
+
+def _unauthorized(message: str, code: str) -> APIError:
+    return APIError(401, message, code=code, headers={"www-authenticate": "Bearer"})

@@ -1,0 +1,103 @@
+"""identify(): the table of key / tier cases, against configs with and without keys."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+import pytest
+from starlette.datastructures import Headers
+
+from gateway.errors import APIError
+from gateway.identity import identify
+from wire.config import GatewayConfig, ServerConfig, Tenant
+
+KEYED = ServerConfig(
+    tenants=(
+        Tenant(name="chat", api_keys=("chat-key",), default_tier="interactive"),
+        Tenant(
+            name="jobs",
+            api_key_sha256=(hashlib.sha256(b"jobs-key").hexdigest(),),
+            default_tier="batch",
+            max_tier="standard",
+        ),
+        Tenant(name="anonymous", max_tier="batch", default_tier="batch"),
+    )
+)
+REQUIRED = msgspec.structs.replace(
+    KEYED, gateway=GatewayConfig(require_api_key=True), tenants=KEYED.tenants[:2]
+)
+KEYLESS = ServerConfig()  # one keyless tenant, no keys anywhere
+
+
+def headers(key: str | None = None, tier: str | None = None, authorization: str | None = None) -> Headers:
+    raw: dict[str, str] = {}
+    if key is not None:
+        raw["Authorization"] = f"Bearer {key}"
+    if authorization is not None:
+        raw["Authorization"] = authorization
+    if tier is not None:
+        raw["X-SLA-Tier"] = tier
+    return Headers(raw)
+
+
+OK_CASES = [
+    # (id, config, headers, tenant, tier)
+    ("key, tenant default", KEYED, headers("chat-key"), "chat", "interactive"),
+    ("key, lower tier asked", KEYED, headers("chat-key", "batch"), "chat", "batch"),
+    ("hashed key, default", KEYED, headers("jobs-key"), "jobs", "batch"),
+    ("hashed key, up to max", KEYED, headers("jobs-key", "standard"), "jobs", "standard"),
+    ("scheme any case", KEYED, headers(authorization="bearer chat-key"), "chat", "interactive"),
+    ("blank tier header = none", KEYED, headers("jobs-key", "  "), "jobs", "batch"),
+    ("no key, anonymous", KEYED, headers(), "anonymous", "batch"),
+    ("required, key", REQUIRED, headers("chat-key", "standard"), "chat", "standard"),
+    ("keyless config, no key", KEYLESS, headers(), "anonymous", "standard"),
+    ("keyless config ignores a key", KEYLESS, headers("whatever", "interactive"), "anonymous", "interactive"),
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "given", "tenant", "tier"), [c[1:] for c in OK_CASES], ids=[c[0] for c in OK_CASES]
+)
+def test_resolves(config: ServerConfig, given: Headers, tenant: str, tier: str) -> None:
+    identity = identify(config, given)
+    assert (identity.tenant.name, identity.tier.name) == (tenant, tier)
+    assert identity.tier == config.tier(tier)
+
+
+ERROR_CASES = [
+    # (id, config, headers, status, type, param, code)
+    ("required, no key", REQUIRED, headers(), 401, "authentication_error", None, "missing_api_key"),
+    ("wrong key", KEYED, headers("nope"), 401, "authentication_error", None, "invalid_api_key"),
+    ("required, wrong key", REQUIRED, headers("nope"), 401, "authentication_error", None, "invalid_api_key"),
+    ("empty bearer", KEYED, headers(""), 401, "authentication_error", None, "invalid_api_key"),
+    ("not bearer", KEYED, headers(authorization="Basic Y2hhdC1rZXk="), 401, "authentication_error", None,
+     "invalid_api_key"),
+    ("above max", KEYED, headers("jobs-key", "interactive"), 403, "permission_error", "X-SLA-Tier",
+     "tier_not_allowed"),
+    ("anonymous above max", KEYED, headers(tier="standard"), 403, "permission_error", "X-SLA-Tier",
+     "tier_not_allowed"),
+    ("unknown tier", KEYED, headers("chat-key", "gold"), 400, "invalid_request_error", "X-SLA-Tier",
+     "unknown_tier"),
+    # The key is checked first: a bad key learns nothing about tiers.
+    ("wrong key and unknown tier", KEYED, headers("nope", "gold"), 401, "authentication_error", None,
+     "invalid_api_key"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "given", "status", "kind", "param", "code"),
+    [c[1:] for c in ERROR_CASES],
+    ids=[c[0] for c in ERROR_CASES],
+)
+def test_refuses(
+    config: ServerConfig, given: Headers, status: int, kind: str, param: str | None, code: str
+) -> None:
+    with pytest.raises(APIError) as caught:
+        identify(config, given)
+    error = caught.value
+    body = error.body().error
+    assert (error.status, body.type, body.param, body.code) == (status, kind, param, code)
+    if status == 401:
+        assert error.response().headers["www-authenticate"] == "Bearer"
+    assert "nope" not in body.message and "chat-key" not in body.message  # never echoes a key
