@@ -87,7 +87,7 @@ def running_server(args: list[str], port: int) -> Iterator[Server]:
     """``tierserve serve`` on 127.0.0.1:port, yielded once /ready is 200; its whole process group
     (serve and its workers) is terminated, then killed, on the way out whatever happened."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        [sys.executable, "-m", "tierserve", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=sys.stderr,  # its progress lines join ours

@@ -1,7 +1,7 @@
-"""The ``tierserve`` command line: ``models pull``, ``generate``, ``worker``, ``serve``.
+"""The worker side of the ``tierserve`` command line: ``models pull``, ``generate``, ``worker``.
 
-``serve`` (the gateway and its workers) lives here only because this CLI may import both sides; the
-gateway package itself never imports the worker.
+``tierserve serve`` (gateway + workers) is in ``tierserve/cli.py``, the one place that may import both
+sides; ``python -m worker.cli worker`` is how the gateway starts its worker processes.
 """
 
 from __future__ import annotations
@@ -61,15 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("-v", "--verbose", action="store_true")
     _add_engine_args(worker)
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway and its worker processes")
-    serve.add_argument("--host", default=None, help="default: gateway.host from the config (127.0.0.1)")
-    serve.add_argument("--port", type=int, default=None, help="default: gateway.port from the config (8000)")
-    serve.add_argument(
-        "--model", default="default", help="a Hugging Face folder, or 'default' (SmolLM2-135M)"
-    )
-    serve.add_argument("--mock", type=int, default=0, metavar="N", help="N simulated workers, model 'mock'")
-    serve.add_argument("--config", default=None, help="a TOML config file (else $TIERSERVE_CONFIG)")
-
     args = parser.parse_args(argv)
     if args.command == "models":
         from worker.models.store import pull_default_model
@@ -78,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "worker":
         return _worker(args)
-    if args.command == "serve":
-        return _serve(args)
     return _generate(args)
 
 
@@ -124,45 +113,6 @@ def _worker(args: argparse.Namespace) -> int:
         model_name="mock" if args.mock else None,
     )
     return daemon.run()
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from gateway.serve import ServeOptions, serve
-    from gateway.tokenizer import BytePromptBuilder, HFPromptBuilder, PromptBuilder
-    from wire.config import ConfigError, load_config
-    from worker.models.store import ModelNotFoundError, resolve_model
-
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    builder: PromptBuilder
-    if args.mock:
-        name, builder, worker_args, num_workers = "mock", BytePromptBuilder(), ["--mock"], args.mock
-    else:
-        try:
-            folder = resolve_model(args.model)
-        except ModelNotFoundError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        # The worker registers under its folder's name (the default model's folder is its name).
-        name, builder, worker_args, num_workers = (
-            folder.name,
-            HFPromptBuilder(folder),
-            ["--model", str(folder)],
-            1,
-        )
-    options = ServeOptions(
-        host=args.host or config.gateway.host,
-        port=config.gateway.port if args.port is None else args.port,
-        model_name=name,
-        builder=builder,
-        worker_args=worker_args,
-        num_workers=num_workers,
-        config=config,
-    )
-    return serve(options)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ def running_server(args: list[str], log_path: Path, ready_timeout_s: float) -> I
     port = free_port()
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "serve", "--port", str(port), *args],
+            [sys.executable, "-m", "tierserve", "serve", "--port", str(port), *args],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

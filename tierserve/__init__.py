@@ -1,0 +1,1 @@
+"""tierserve's command line: the composition root that wires gateway and worker together."""

@@ -1,0 +1,5 @@
+import sys
+
+from tierserve.cli import main
+
+sys.exit(main())
