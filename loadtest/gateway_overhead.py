@@ -12,8 +12,9 @@ both at once (the server is stopped before the in-process engine is loaded):
   (b) concurrency: ``--num-streams`` distinct prompts at once (asyncio + ``openai.AsyncOpenAI``) through
       the stack vs the same requests added at once to the engine: output tokens / wall time.
 EOS is not ignorable over the API, so neither side ignores it: both count the tokens that arrived.
-Both sides are warmed up first. Load goes to 127.0.0.1 only; the server's process group is killed in a
-``finally``. ``--mock N`` runs N mock workers and the in-process mock engine (same step cost) instead.
+Both sides are warmed up first. Load goes to 127.0.0.1 only; the server (``loadtest.launch``) runs in its
+own process group, killed in a ``finally``. ``--mock N`` runs N mock workers and the in-process mock
+engine (same step cost) instead.
 """
 
 from __future__ import annotations
@@ -22,24 +23,20 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
 import openai
+
+from loadtest.launch import free_port, log_tail, running_server
 
 if TYPE_CHECKING:
     from worker.engine import Engine
 
-ROOT = Path(__file__).resolve().parents[1]
 SINGLE_PROMPT = (
     "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle. "
     "Describe every day of the week in detail."
@@ -68,61 +65,6 @@ def tpot_ms(t_first: float, t_last: float, num_tokens: int) -> float:
 
 
 # ---------------------------------------------------------------- the stack
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass(frozen=True)
-class Server:
-    url: str
-    process: subprocess.Popen[bytes]
-
-
-@contextmanager
-def running_server(args: list[str], port: int) -> Iterator[Server]:
-    """``tierserve serve`` on 127.0.0.1:port, yielded once /ready is 200; its whole process group
-    (serve and its workers) is terminated, then killed, on the way out whatever happened."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tierserve", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=sys.stderr,  # its progress lines join ours
-        start_new_session=True,  # its own process group: teardown reaches the workers too
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(process, url, READY_TIMEOUT_S)
-        yield Server(url, process)
-    finally:
-        stop_server(process)
-
-
-def _wait_ready(process: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"serve exited with {process.returncode} before it was ready")
-            with suppress(httpx.TransportError):
-                if client.get(f"{url}/ready").status_code == 200:
-                    return
-            time.sleep(0.2)  # polling interval of a deadline-bounded wait
-    raise TimeoutError(f"{url}/ready not 200 after {timeout_s} s")
-
-
-def stop_server(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        with suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=20)
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # whatever is left of the group
-    with suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=10)
 
 
 @dataclass(slots=True)
@@ -278,11 +220,17 @@ def main(argv: list[str] | None = None) -> int:
     serve_args = ["--mock", str(args.mock)] if args.mock else ["--model", args.model]
     port = args.port if args.port is not None else free_port()
     progress(f"starting tierserve serve {' '.join(serve_args)} on 127.0.0.1:{port}")
-    with running_server(serve_args, port) as server:
-        server_pid = server.process.pid
-        stack_single, stack_tok_s, stack_results = asyncio.run(
-            measure_stack(server.url, args.single_tokens, args.num_streams, args.max_tokens)
-        )
+    with tempfile.TemporaryDirectory(prefix="gateway-overhead-") as tmp:
+        log_path = Path(tmp) / "serve.log"
+        try:
+            with running_server(serve_args, log_path, READY_TIMEOUT_S, port=port) as server:
+                server_pid = server.process.pid
+                stack_single, stack_tok_s, stack_results = asyncio.run(
+                    measure_stack(server.base_url, args.single_tokens, args.num_streams, args.max_tokens)
+                )
+        except BaseException:
+            progress(f"the server's log ends with:\n{log_tail(log_path)}")
+            raise
     progress("server stopped; loading the engine in-process")
 
     engine = build_engine(args.model, bool(args.mock))
