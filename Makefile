@@ -41,8 +41,11 @@ unit: bootstrap
 test: lint model
 	$(PY) -m pytest -q
 
+# make bench [SCENARIO=engine|gateway-overhead|load-smoke] [RECORD=1]: one JSON object; RECORD=1 also
+# writes it into docs/benchmarks.md.
+SCENARIO ?= engine
 bench: model
-	$(PY) -m loadtest.engine_bench --json
+	$(VENV)/bin/tierserve bench $(SCENARIO) --json $(if $(RECORD),--record)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -165,7 +165,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -179,8 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print only the JSON object on stdout")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    """Measure; the JSON object ``main`` prints."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
@@ -231,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         "read_roofline_single_tok_s": round(read_roofline, 2),
         "read_roofline_fraction": round(engine_single / read_roofline, 3),
     }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 

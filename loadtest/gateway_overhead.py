@@ -201,7 +201,7 @@ def _model_name(model: str) -> str:
     return resolve_model(model).name
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -212,9 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=None, help="default: a free port")
     parser.add_argument("--mock", type=int, default=0, metavar="N", help="N mock workers (and a mock engine)")
     parser.add_argument("--json", action="store_true", help="print only the JSON object on stdout")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.num_streams < 1 or args.max_tokens < 2 or args.single_tokens < 2:
         parser.error("--num-streams must be >= 1, --max-tokens and --single-tokens >= 2")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    """Measure; the JSON object ``main`` prints."""
 
     load_before = os.getloadavg()[0]
     serve_args = ["--mock", str(args.mock)] if args.mock else ["--model", args.model]
@@ -262,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "server_pid": server_pid,  # its process group is gone by now (the test checks)
     }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 

@@ -2,6 +2,7 @@
 
     tierserve serve ...                      the gateway and its worker processes (here)
     tierserve models pull | generate | worker    the worker side (``worker/cli.py``)
+    tierserve load | bench                   the load generator and benchmarks (``loadtest/``)
 
 ``gateway/`` and ``worker/`` never import each other; the gateway starts workers as processes.
 """
@@ -13,12 +14,14 @@ import sys
 
 from worker import cli as worker_cli
 
-USAGE = """usage: tierserve {serve,models,generate,worker} ...
+USAGE = """usage: tierserve {serve,models,generate,worker,load,bench} ...
 
   serve      run the OpenAI-compatible gateway and its worker processes
   models     manage the local model cache (models pull)
   generate   answer one prompt in-process with the engine
   worker     run a worker daemon that dials a gateway over ZeroMQ
+  load       drive an OpenAI-compatible server with a seeded workload; per-tier report and plots
+  bench      run a named benchmark scenario (engine, gateway-overhead, load-smoke); --record
 
 tierserve COMMAND --help for a command's options.
 """
@@ -31,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     if argv[0] == "serve":
         return _serve(_serve_parser().parse_args(argv[1:]))
+    if argv[0] == "load":
+        from loadtest import cli as load_cli  # lazy: serve and the worker never need httpx or matplotlib
+
+        return load_cli.main(argv[1:])
+    if argv[0] == "bench":
+        from loadtest import bench
+
+        return bench.main(argv[1:])
     return worker_cli.main(argv)
 
 

@@ -1,0 +1,84 @@
+"""``tierserve bench SCENARIO``: named, reproducible benchmarks that start what they need and print one
+JSON object; ``--record`` also writes it into the scenario's block in docs/benchmarks.md.
+
+    tierserve bench engine --json                       engine in-process vs Hugging Face generate
+    tierserve bench gateway-overhead --json [--mock N]   the whole stack vs the engine in-process
+    tierserve bench load-smoke --json [--record]         tierserve load against serve --mock 2
+
+Arguments after the scenario's name that ``bench`` does not know go to the scenario
+(``tierserve bench engine --num-requests 8``). A new scenario is one entry in ``SCENARIOS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from loadtest.record import machine, recorded_block, rewrite_section
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    summary: str
+    run: Callable[[list[str]], dict[str, object]]  # the scenario's own arguments → its figures
+
+
+def _engine(argv: list[str]) -> dict[str, object]:
+    from loadtest import engine_bench  # lazy: imports torch and transformers
+
+    return engine_bench.run(engine_bench.parse_args(argv))
+
+
+def _gateway_overhead(argv: list[str]) -> dict[str, object]:
+    from loadtest import gateway_overhead
+
+    return gateway_overhead.run(gateway_overhead.parse_args(argv))
+
+
+def _load_smoke(argv: list[str]) -> dict[str, object]:
+    from loadtest import load_smoke
+
+    return load_smoke.run(load_smoke.parse_args(argv))
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("engine", "our engine in-process vs Hugging Face generate, and the roofline", _engine),
+        Scenario("gateway-overhead", "the whole stack vs the engine in-process", _gateway_overhead),
+        Scenario("load-smoke", "tierserve load against serve --mock: per-tier figures", _load_smoke),
+    )
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    listing = "\n".join(f"  {s.name:18} {s.summary}" for s in SCENARIOS.values())
+    parser = argparse.ArgumentParser(
+        prog="tierserve bench",
+        description=f"{__doc__}\nscenarios:\n{listing}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("scenario", choices=list(SCENARIOS))
+    parser.add_argument("--json", action="store_true", help="one line of JSON on stdout")
+    parser.add_argument("--record", action="store_true", help="write the figures into --docs")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="default: docs/benchmarks.md")
+    args, rest = parser.parse_known_args(argv)
+    figures = SCENARIOS[args.scenario].run(rest)
+    print(json.dumps(figures, indent=None if args.json else 2), flush=True)
+    if args.record:
+        block = recorded_block(figures, datetime.now(UTC), machine())
+        args.docs.write_text(rewrite_section(args.docs.read_text(), args.scenario, block))
+        print(f"[bench] recorded {args.scenario} in {args.docs}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

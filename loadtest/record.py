@@ -1,0 +1,69 @@
+"""``tierserve bench SCENARIO --record``: rewrite that scenario's recorded block in docs/benchmarks.md.
+
+A recorded block sits between two markers and holds the date, the machine and the figures' JSON:
+
+    <!-- bench:NAME:begin -->
+    ### Recorded 2026-11-30 18:00 UTC on …
+    ```json
+    {…}
+    ```
+    <!-- bench:NAME:end -->
+
+Only the text between the markers changes. The first time, the block goes at the end of the section
+whose heading starts with ``## NAME`` (the prose written by hand above it stays), or, when there is no
+such section, into a new one at the end of the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+from collections.abc import Mapping
+from datetime import UTC, datetime
+
+BEGIN = "<!-- bench:{name}:begin -->"
+END = "<!-- bench:{name}:end -->"
+
+
+def machine() -> str:
+    """CPU model, cores, OS and Python: enough to tell two recorded runs' machines apart."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    system = f"{platform.system()} {platform.machine()}"
+    return f"{cpu}, {os.cpu_count()} cores, {system}, Python {platform.python_version()}"
+
+
+def recorded_block(figures: Mapping[str, object], when: datetime, where: str) -> str:
+    stamp = when.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    # A key per line, each value compact: short lines that diff well between recordings.
+    body = ",\n".join(f" {json.dumps(key)}: {json.dumps(value)}" for key, value in figures.items())
+    return f"### Recorded {stamp} on {where}\n\n```json\n{{\n{body}\n}}\n```"
+
+
+def rewrite_section(markdown: str, name: str, block: str) -> str:
+    """``markdown`` with scenario ``name``'s recorded block replaced by (or given) ``block``."""
+    begin, end = BEGIN.format(name=name), END.format(name=name)
+    num_begin, num_end = markdown.count(begin), markdown.count(end)
+    fenced = f"{begin}\n{block.strip()}\n{end}"
+    if (num_begin, num_end) == (1, 1):
+        start, stop = markdown.index(begin), markdown.index(end)
+        if stop < start:
+            raise ValueError(f"{end!r} comes before {begin!r}")
+        return markdown[:start] + fenced + markdown[stop + len(end) :]
+    if num_begin or num_end:
+        raise ValueError(f"expected one {begin!r} and one {end!r}, found {num_begin} and {num_end}")
+    heading = re.search(rf"^## {re.escape(name)}(?=\s|$).*$", markdown, flags=re.MULTILINE)
+    if heading is None:
+        return markdown.rstrip("\n") + f"\n\n## {name}\n\n{fenced}\n"
+    following = re.search(r"^## ", markdown[heading.end() :], flags=re.MULTILINE)
+    stop = heading.end() + following.start() if following else len(markdown)
+    section = markdown[:stop].rstrip("\n")
+    rest = markdown[stop:]
+    return f"{section}\n\n{fenced}\n" + (f"\n{rest}" if rest else "")
