@@ -9,13 +9,17 @@ A step's batch is flat and ragged: T new tokens from B sequences, decodes first:
     slot_mapping[t]:  where token t's K/V go (block_id * block_size + offset); < 0 = padding token
 
 Everything derived from that (decode gather indices, masks, prefill plans) is computed once per step by
-``AttentionMetadata.build`` / ``prepare`` and reused by every layer.
+``AttentionMetadata.build`` / ``prepare`` and reused by every layer. What is derived depends on the
+backend: the torch reference gets its decode buckets and prefill plans; the Triton kernels get device
+copies of ``seq_lens`` and ``query_start_loc`` (they read the ragged layout themselves, with no host sync,
+so a decode step can be captured in a CUDA graph).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -29,6 +33,21 @@ from kernels.paged_attention import (
     plan_prefill,
     store_kv,
 )
+
+
+class KernelBackend(enum.Enum):
+    TORCH = "torch"  # the references in kernels/*.py: the CPU path
+    TRITON = "triton"  # kernels/triton_ops: the CUDA path (or the interpreter on CPU, in tests)
+
+
+@dataclass(slots=True)
+class TritonStepTensors:
+    """What the Triton kernels read per step: device tensors, plus host bounds that size their grids."""
+
+    seq_lens: torch.Tensor  # [B] int64
+    query_start_loc: torch.Tensor  # [B+1] int64
+    max_decode_len: int  # bounds the decodes' seq_lens (a CUDA graph uses the model's maximum)
+    max_prefill_query_len: int  # the longest prefill chunk (0: none)
 
 
 @dataclass(slots=True)
@@ -47,11 +66,13 @@ class AttentionMetadata:
     num_decodes: int
     block_size: int
     sliding_window: int | None = None  # the model's (Mistral); None = full causal attention
+    backend: KernelBackend = KernelBackend.TORCH  # which kernels the derived fields are for
 
     # derived by prepare(): once per step, never per layer
     has_padding_slots: bool = True
-    decode: DecodeGather | None = None
-    prefills: list[PrefillSeq] = field(default_factory=list)
+    decode: DecodeGather | None = None  # torch backend
+    prefills: list[PrefillSeq] = field(default_factory=list)  # torch backend
+    triton: TritonStepTensors | None = None  # Triton backend
     num_padding_tokens: int = 0  # rows of T past query_start_loc[-1] (their output rows are zeros)
 
     @classmethod
@@ -65,9 +86,17 @@ class AttentionMetadata:
         num_decodes: int,
         block_size: int,
         sliding_window: int | None = None,
+        backend: KernelBackend = KernelBackend.TORCH,
     ) -> AttentionMetadata:
         meta = cls(
-            slot_mapping, query_start_loc, seq_lens, block_tables, num_decodes, block_size, sliding_window
+            slot_mapping,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            num_decodes,
+            block_size,
+            sliding_window,
+            backend,
         )
         meta.prepare()
         return meta
@@ -100,6 +129,9 @@ class AttentionMetadata:
             if i < self.num_decodes and query_len != 1:
                 raise ValueError(f"decode sequence {i} has {query_len} new tokens, expected 1")
         self.num_padding_tokens = num_rows - self.num_tokens
+        if self.backend is KernelBackend.TRITON:
+            self._prepare_triton()
+            return
         self.has_padding_slots = bool((self.slot_mapping < 0).any())
         self.decode = None
         if self.num_decodes:
@@ -113,6 +145,18 @@ class AttentionMetadata:
             self.block_size,
             first_seq=self.num_decodes,
             sliding_window=self.sliding_window,
+        )
+
+    def _prepare_triton(self) -> None:
+        # the kernels skip negative slots themselves: no host-side scan (it would sync the GPU)
+        device = self.slot_mapping.device
+        lens, starts = self.seq_lens, self.query_start_loc
+        prefill_lens = [starts[i + 1] - starts[i] for i in range(self.num_decodes, self.num_seqs)]
+        self.triton = TritonStepTensors(
+            seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
+            max_decode_len=max(lens[: self.num_decodes], default=0),
+            max_prefill_query_len=max(prefill_lens, default=0),
         )
 
 
@@ -168,6 +212,69 @@ class TorchPagedAttention:
         if meta.num_padding_tokens:
             parts.append(q.new_zeros(meta.num_padding_tokens, q.shape[1], q.shape[2]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class TritonPagedAttention:
+    """The Triton backend (kernels/triton_ops): store, split-K decode and prefix-prefill kernels writing
+    one preallocated output (decode rows first, then the chunks' rows; padding rows zeroed).
+
+    Issues no host sync and reads only device tensors, so it runs inside a captured CUDA graph. Triton
+    is imported on construction only: the CPU path never needs it.
+    """
+
+    def __init__(self) -> None:
+        import kernels.triton_ops as ops
+
+        self._ops: Any = ops
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        step = meta.triton
+        if step is None:
+            raise ValueError("TritonPagedAttention needs metadata built with backend=KernelBackend.TRITON")
+        ops = self._ops
+        ops.store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape)
+        num_decodes = meta.num_decodes
+        if num_decodes:
+            ops.paged_decode_attention(
+                q[:num_decodes],
+                kv_cache,
+                meta.block_tables,
+                step.seq_lens,
+                scale,
+                max_seq_len=step.max_decode_len,
+                sliding_window=meta.sliding_window,
+                out=out[:num_decodes],
+            )
+        if num_decodes < meta.num_seqs:
+            ops.paged_prefill_attention(
+                q,
+                kv_cache,
+                meta.block_tables,
+                step.query_start_loc,
+                step.seq_lens,
+                scale,
+                first_seq=num_decodes,
+                num_seqs=meta.num_seqs,
+                max_query_len=step.max_prefill_query_len,
+                sliding_window=meta.sliding_window,
+                out=out,
+            )
+        if meta.num_padding_tokens:
+            out[meta.num_tokens :].zero_()
+        return out
+
+
+def make_attention_backend(backend: KernelBackend) -> AttentionBackend:
+    return TritonPagedAttention() if backend is KernelBackend.TRITON else TorchPagedAttention()
 
 
 def kv_cache_bytes_per_block(

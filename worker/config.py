@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# "auto": Triton kernels on CUDA, torch references on CPU. "triton" on CPU needs TRITON_INTERPRET=1
+# (Triton's interpreter: slow, for tests on tiny models).
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(slots=True)
@@ -22,6 +25,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     num_threads: int | None = None
+    kernel_backend: str = "auto"
+    cuda_graphs: bool = (
+        False  # decode-only steps replay CUDA graphs (batch-size buckets); needs CUDA + Triton
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -32,6 +39,15 @@ class EngineConfig:
             raise ValueError(f"block_size: expected 8, 16 or 32, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(
+                f"kernel_backend: expected one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}"
+            )
+        if self.cuda_graphs and (not self.device.startswith("cuda") or self.kernel_backend == "torch"):
+            raise ValueError(
+                f"cuda_graphs: needs a cuda device and the Triton kernels (device={self.device!r}, "
+                f"kernel_backend={self.kernel_backend!r})"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

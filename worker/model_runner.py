@@ -10,11 +10,18 @@ For a step with a decode of request A (context 37) and a prefill chunk of B (tok
     block_tables  [ A.block_ids + pad ; B.block_ids + pad ]
 
 Only the last token of a request whose prompt is now fully computed is turned into logits.
+
+Kernels: the torch references on CPU, the Triton kernels on CUDA (``EngineConfig.kernel_backend``), the
+choice logged once at startup. With ``cuda_graphs``, a decode-only step of B sequences replays a CUDA
+graph captured for the smallest bucket >= B, its inputs padded (see ``DecodeGraphs``); prefill and
+mixed steps run eagerly.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -22,9 +29,11 @@ import torch
 
 from worker.attention import (
     AttentionMetadata,
-    TorchPagedAttention,
+    KernelBackend,
+    TritonStepTensors,
     allocate_kv_cache,
     kv_cache_bytes_per_block,
+    make_attention_backend,
 )
 from worker.config import EngineConfig
 from worker.models.config import ModelConfig
@@ -52,11 +61,15 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         block_size: int,
         device: torch.device,
+        backend: KernelBackend = KernelBackend.TORCH,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.backend = backend
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
@@ -88,38 +101,173 @@ class ModelRunner:
                 logits_indices.append(query_start_loc[-1] - 1)
                 sampled.append(request)
 
-        max_blocks = max(len(r.block_ids) for r in scheduled)
-        block_tables = torch.tensor(
-            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in scheduled], dtype=torch.int64
-        )
-
         device = self.device
-        meta = AttentionMetadata.build(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables.to(device),
-            num_decodes=num_decodes,
-            block_size=bs,
-            sliding_window=self.model.config.sliding_window,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            self.kv_caches,
-            meta,
-        )
+        graphs = self.graphs
+        if graphs is not None and num_decodes == len(scheduled) and graphs.can_run(seq_lens):
+            block_rows = [r.block_ids for r in scheduled]
+            hidden = graphs.run(input_ids, positions, slot_mapping, seq_lens, block_rows)
+        else:
+            max_blocks = max(len(r.block_ids) for r in scheduled)
+            block_tables = torch.tensor(
+                [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in scheduled], dtype=torch.int64
+            )
+            meta = AttentionMetadata.build(
+                slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                block_tables=block_tables.to(device),
+                num_decodes=num_decodes,
+                block_size=bs,
+                sliding_window=self.model.config.sliding_window,
+                backend=self.backend,
+            )
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.int64, device=device),
+                torch.tensor(positions, dtype=torch.int64, device=device),
+                self.kv_caches,
+                meta,
+            )
         if not sampled:
             return [], torch.empty(0)
         index = torch.tensor(logits_indices, dtype=torch.int64, device=device)
         return sampled, self.model.compute_logits(hidden.index_select(0, index))
 
 
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Buckets up to ``max_num_seqs`` (always included): padding wastes at most a third of a step."""
+    return sorted({b for b in GRAPH_BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
+
+
+class DecodeGraphs:
+    """CUDA graphs of decode-only steps, one per batch-size bucket, sharing one memory pool.
+
+    The graphs read static device buffers, refilled before each replay (two host-to-device copies)::
+
+        header [4, max_batch] int64    row 0 input ids | 1 positions | 2 slots | 3 seq_lens
+        tables [max_batch, max_blocks] block table rows (only the columns a step needs are rewritten)
+
+    A step of B sequences replays the smallest bucket b >= B. Rows B..b-1 are padding sequences: token 0
+    at position 0, slot -1 (the store kernel skips it), seq_len 1 over whatever block id their table row
+    holds (a valid one: zeros, or a block of an earlier step; read, never written); their output rows are
+    dropped. The decode kernel's splits are sized for ``max_model_len``, so one graph per bucket serves
+    every context length (at the cost of some idle split programs on short contexts).
+
+    ``capture()`` needs CUDA. Without it (``run`` before ``capture``) the same static buffers and
+    metadata run eagerly, which is how CPU tests exercise all of this but the capture itself.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        batch_sizes: list[int],
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_batch = self.batch_sizes[-1]
+        self.max_model_len = max_model_len
+        max_blocks = -(-max_model_len // block_size)
+        self.header = torch.zeros(4, self.max_batch, dtype=torch.int64, device=device)
+        self.header[2].fill_(-1)
+        self.header[3].fill_(1)
+        self.tables = torch.zeros(self.max_batch, max_blocks, dtype=torch.int64, device=device)
+        query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int64, device=device)
+        self.metas = {
+            b: AttentionMetadata(
+                slot_mapping=self.header[2, :b],
+                query_start_loc=list(range(b + 1)),
+                seq_lens=[1] * b,  # host copy unused by the Triton backend; the device row is header[3]
+                block_tables=self.tables[:b],
+                num_decodes=b,
+                block_size=block_size,
+                sliding_window=model.config.sliding_window,
+                backend=KernelBackend.TRITON,
+                triton=TritonStepTensors(self.header[3, :b], query_start_loc[: b + 1], max_model_len, 0),
+            )
+            for b in self.batch_sizes
+        }
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def can_run(self, seq_lens: list[int]) -> bool:
+        return len(seq_lens) <= self.max_batch and max(seq_lens) <= self.max_model_len
+
+    def bucket(self, num_seqs: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        return self.model(self.header[0, :batch], self.header[1, :batch], self.kv_caches, self.metas[batch])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (the smaller ones then fit in its pool memory). The
+        buffers hold padding (slot -1), so neither the warm-up nor the capture writes the cache."""
+        pool = torch.cuda.graph_pool_handle()
+        for batch in reversed(self.batch_sizes):
+            self._forward(batch)  # warm-up: Triton compiles and cuBLAS picks kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[batch] = self._forward(batch)
+            self.graphs[batch] = graph
+        torch.cuda.synchronize()
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        seq_lens: list[int],
+        block_rows: list[list[int]],
+    ) -> torch.Tensor:
+        """Hidden states [B, hidden] of a decode-only step (one token per sequence)."""
+        num_seqs = len(input_ids)
+        batch = self.bucket(num_seqs)
+        pad = batch - num_seqs
+        header = torch.tensor(
+            [input_ids + [0] * pad, positions + [0] * pad, slot_mapping + [-1] * pad, seq_lens + [1] * pad],
+            dtype=torch.int64,
+        )
+        self.header[:, :batch].copy_(header)
+        width = max(len(row) for row in block_rows)
+        tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int64)
+        self.tables[:num_seqs, :width].copy_(tables)
+        graph = self.graphs.get(batch)
+        if graph is None:
+            return self._forward(batch)[:num_seqs]
+        graph.replay()
+        return self.outputs[batch][:num_seqs]
+
+
+def resolve_kernel_backend(config: EngineConfig, device: torch.device) -> KernelBackend:
+    """``auto``: Triton on CUDA, the torch references elsewhere."""
+    if config.kernel_backend == "torch" or (config.kernel_backend == "auto" and device.type != "cuda"):
+        return KernelBackend.TORCH
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"kernel_backend: 'triton' on {device.type} runs only under Triton's interpreter; "
+            "set TRITON_INTERPRET=1 before starting (slow: meant for tests on tiny models)"
+        )
+    return KernelBackend.TRITON
+
+
 def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRunner, ModelConfig, int]:
     """Load the model, size and allocate its KV cache: (runner, model config, number of KV blocks)."""
     device = torch.device(config.device)
-    attention = TorchPagedAttention()
+    backend = resolve_kernel_backend(config, device)
+    attention = make_attention_backend(backend)
     model, model_config = load_model(model_path, config.torch_dtype, device, attention)
+    if backend is KernelBackend.TRITON:
+        from kernels.triton_ops.layer_ops import TritonLayerOps
+
+        model.use_kernels(TritonLayerOps(), attention)
     if can_pack(model):
         pack_linears(model)
     mc = model_config
@@ -133,15 +281,29 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
         mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype, device
     )
     log.info(
-        "engine: %s (%s) on %s in %s, attention %s, %d KV blocks of %d tokens (%.2f GiB), prefix caching %s",
+        "engine: %s (%s) on %s in %s, kernels %s, attention %s, %d KV blocks of %d tokens (%.2f GiB), "
+        "prefix caching %s",
         model_path.name,
         mc.architecture,
         device,
         config.dtype,
+        backend.value,
         type(attention).__name__,
         num_blocks,
         config.block_size,
         num_blocks * bytes_per_block / 1024**3,
         "on" if config.enable_prefix_caching else "off",
     )
-    return ModelRunner(model, kv_caches, config.block_size, device), model_config, num_blocks
+    graphs: DecodeGraphs | None = None
+    if config.cuda_graphs:
+        if backend is not KernelBackend.TRITON or device.type != "cuda":
+            raise ValueError("cuda_graphs: needs the Triton kernels on a cuda device")
+        max_model_len = min(mc.max_position_embeddings, config.max_model_len or 1 << 30)
+        sizes = graph_batch_sizes(config.max_num_seqs)
+        graphs = DecodeGraphs(model, kv_caches, config.block_size, max_model_len, sizes, device)
+        graphs.capture()
+        log.info(
+            "engine: CUDA graphs captured for decode batch sizes %s (max_model_len %d)", sizes, max_model_len
+        )
+    runner = ModelRunner(model, kv_caches, config.block_size, device, backend, graphs)
+    return runner, model_config, num_blocks

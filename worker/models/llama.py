@@ -5,19 +5,25 @@ Fused projections keep a batch-1 CPU decode step cheap (it is bound by per-op ov
     qkv_proj     [ q: Hq*D | k: Hkv*D | v: Hkv*D ]  x hidden     (one matmul instead of three)
     gate_up_proj [ gate: I | up: I ]                x hidden     (one matmul instead of two)
 
-RoPE cos/sin are looked up once per forward and q and k are rotated together as one [T, Hq+Hkv, D]
-slice of the qkv output; the residual add is fused into the following RMSNorm.
+RoPE is set up once per forward and q and k are rotated together as one [T, Hq+Hkv, D] slice of the
+qkv output; the residual add is fused into the following RMSNorm.
+
+The norms, RoPE and SiLU·mul come from a ``LayerOps`` bundle and attention from an ``AttentionBackend``:
+the torch references by default (the CPU path); ``use_kernels`` swaps both, e.g. to the Triton kernels
+on CUDA, without a backend branch in the model code.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.activation import silu_and_mul
-from kernels.rms_norm import fused_add_rms_norm, rms_norm
-from kernels.rotary import build_cos_sin_cache, rotary_lookup, rotate
+from kernels.layer_ops import LayerOps, TorchLayerOps
+from kernels.rms_norm import rms_norm
+from kernels.rotary import build_cos_sin_cache
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.models.config import ModelConfig
 
@@ -35,8 +41,9 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -55,28 +62,28 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Any,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = self.ops
         norm = self.input_layernorm
         if residual is None:  # first layer: the embedding is the residual stream
             residual = hidden
-            hidden = rms_norm(hidden, norm.weight, norm.eps)
+            hidden = ops.rms_norm(hidden, norm.weight, norm.eps)
         else:
-            hidden, residual = fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+            hidden, residual = ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
 
         num_tokens, num_q = hidden.shape[0], self.num_heads
         qkv = self.qkv_proj(hidden).view(num_tokens, num_q + 2 * self.num_kv_heads, self.head_dim)
-        qk = rotate(qkv[:, : num_q + self.num_kv_heads], cos, sin)
+        qk = ops.rotate(qkv[:, : num_q + self.num_kv_heads], rope)
         v = qkv[:, num_q + self.num_kv_heads :]
         attn = self.attention.forward(qk[:, :num_q], qk[:, num_q:], v, kv_cache, meta, self.scale)
         hidden = self.o_proj(attn.reshape(num_tokens, num_q * self.head_dim))
 
         norm = self.post_attention_layernorm
-        hidden, residual = fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        hidden, residual = ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
         return hidden, residual
 
 
@@ -85,11 +92,14 @@ class LlamaForCausalLM(nn.Module):
 
     cos_sin_cache: torch.Tensor
 
-    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, ops: LayerOps | None = None) -> None:
         super().__init__()
         self.config = config
+        self.ops: LayerOps = ops or TorchLayerOps()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attention, self.ops) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # tied: compute_logits reads embed_tokens.weight, so there is one tensor, not two to keep in sync
         self.lm_head: nn.Module | None = (
@@ -107,6 +117,14 @@ class LlamaForCausalLM(nn.Module):
         )
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
+    def use_kernels(self, ops: LayerOps, attention: AttentionBackend) -> None:
+        """Swap the layer ops and the attention backend of every layer (a transform on a built model)."""
+        self.ops = ops
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.ops = ops
+            layer.attention = attention
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -116,12 +134,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> hidden [T, hidden_size] (final norm applied)."""
         hidden = self.embed_tokens(input_ids)
-        cos, sin = rotary_lookup(positions, self.cos_sin_cache)
+        rope = self.ops.rotary_setup(positions, self.cos_sin_cache)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, meta)
         assert residual is not None, "a model has at least one layer"
-        hidden, _ = fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
+        hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
