@@ -121,7 +121,7 @@ def _fail(record: RequestRecord, outcome: Outcome, error: str, t0: float) -> Non
 async def _read_stream(response: httpx.Response, record: RequestRecord, api: Api, t0: float) -> None:
     parser = SSEParser()
     finished = False
-    async for chunk in response.aiter_raw():
+    async for chunk in response.aiter_bytes():  # decoded, should a server compress the stream
         now = time.perf_counter() - t0
         for data in parser.feed(chunk):
             if data == _DONE:

@@ -66,6 +66,7 @@ async def run_load(
     bounds: Bounds,
     options: RequestOptions,
     progress: Progress | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,  # tests inject one; None: real sockets
 ) -> RunResult:
     planned = planned_requests(arrivals, seed, bounds)
     for i in range(planned or 0):  # tokenizing now keeps it out of the timed run
@@ -73,7 +74,10 @@ async def run_load(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # trust_env=False: no proxy from the environment; traffic goes to the given URLs and nowhere else.
     async with httpx.AsyncClient(
-        limits=limits, timeout=httpx.Timeout(options.timeout_s, connect=10.0), trust_env=False
+        limits=limits,
+        timeout=httpx.Timeout(options.timeout_s, connect=10.0),
+        trust_env=False,
+        transport=transport,
     ) as client:
         run = _Run(client, workload, arrivals, seed, bounds, options, time.perf_counter(), progress)
         started_at = time.time()
