@@ -104,6 +104,7 @@ class Dispatcher:
         self._requests: dict[str, InFlight] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._changed = asyncio.Event()  # set and replaced whenever the registry or counters change
+        self._listeners: list[Callable[[], None]] = []
         self._is_closed = False
         self._num_dropped_multipart = 0
         self._num_dropped_unknown_peer = 0
@@ -283,9 +284,15 @@ class Dispatcher:
             if dead:
                 self._notify()
 
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the loop, not awaited) whenever the registry may have changed."""
+        self._listeners.append(callback)
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        for callback in self._listeners:
+            callback()
 
     def _on_frames(self, parts: list[bytes], now: float) -> None:
         if len(parts) != 2:

@@ -6,21 +6,24 @@ fields are ignored, as OpenAI's own API and other compatible servers do, so newe
 Ranges (temperature, top_p, penalties, ...) are checked once, by ``SamplingParams.validate``, on both
 sides of the wire.
 
-Only ``n = 1`` is served for now: ``n > 1`` is a 400 saying so (it needs n Submits fanned in). Likewise
-logprobs: they map onto ``SamplingParams.logprobs``, but the response side is not written yet, so
-asking for them is a 400 rather than a silent null.
+A request becomes one or more *choices* (``n`` of them per prompt; ``/v1/completions`` also takes a
+list of prompts), each a Submit of its own; a :class:`Renderer` turns their TokenDeltas back into one
+OpenAI response, each choice under its ``index``.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
 import msgspec
 
+from gateway.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts, chat_logprobs, completion_logprobs
 from wire.errors import InvalidRequestError
-from wire.messages import TokenDelta, Usage
+from wire.messages import TokenDelta, TokenLogprob, Usage
 from wire.sampling import SamplingParams
 
 
@@ -74,8 +77,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     def check_n(self, max_n: int) -> None:
         if not 1 <= self.n <= max_n:
             raise InvalidRequestError("n", f"must be between 1 and {max_n}, got {self.n}")
-        if self.n != 1:
-            raise InvalidRequestError("n", "only n = 1 is supported by this server for now")
 
     def sampling(self, *, max_tokens: int | None, logprobs: int | None, room: int) -> SamplingParams:
         """``room``: context left after the prompt, the default when the client sets no limit."""
@@ -102,26 +103,42 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs = true")
         num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        _refuse_logprobs(num_logprobs)
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling(max_tokens=limit, logprobs=num_logprobs, room=room)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[int]
+    # One prompt (text or token ids) or a batch of them; msgspec allows one array type per union, so a
+    # batch decodes loosely here and ``prompts()`` checks that it is all of one kind.
+    prompt: str | list[str | int | list[int]]
     logprobs: int | None = None  # the legacy API: a count of top alternatives
 
+    def prompts(self, max_prompts: int) -> list[str | list[int]]:
+        """The prompts to complete: text or token ids each, at least one, at most ``max_prompts``."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if all(isinstance(item, int) for item in prompt):
+            return [[item for item in prompt if isinstance(item, int)]]
+        if all(isinstance(item, str) for item in prompt):
+            prompts: list[str | list[int]] = [item for item in prompt if isinstance(item, str)]
+        elif all(isinstance(item, list) for item in prompt):
+            prompts = [item for item in prompt if isinstance(item, list)]
+        else:
+            raise InvalidRequestError(
+                "prompt", "a list must be all strings, all token ids, or all lists of token ids"
+            )
+        if len(prompts) > max_prompts:
+            raise InvalidRequestError(
+                "prompt", f"at most {max_prompts} prompts per request, got {len(prompts)}"
+            )
+        return prompts
+
     def to_sampling(self, room: int) -> SamplingParams:
-        _refuse_logprobs(self.logprobs)
         limit = 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
         return self.sampling(max_tokens=limit, logprobs=self.logprobs, room=room)
-
-
-def _refuse_logprobs(num_logprobs: int | None) -> None:
-    # The workers compute them; rendering them as OpenAI's token/bytes objects is not done yet, and a
-    # silent null would look like a bug to the client.
-    if num_logprobs is not None:
-        raise InvalidRequestError("logprobs", "logprobs are not supported by this server yet")
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
@@ -169,12 +186,20 @@ class UsageInfo(msgspec.Struct, kw_only=True):
     prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, usage: Usage) -> UsageInfo:
+    def total(cls, usages: Sequence[Usage], prompt_of: Sequence[int]) -> UsageInfo:
+        """The usage of a request whose choice ``i`` ran prompt ``prompt_of[i]``. As OpenAI counts it: a
+        prompt shared by ``n`` choices once, every choice's completion tokens."""
+        prompts: dict[int, Usage] = {}
+        for usage, prompt in zip(usages, prompt_of, strict=True):
+            prompts.setdefault(prompt, usage)
+        num_prompt = sum(u.prompt_tokens for u in prompts.values())
+        num_cached = sum(u.cached_tokens for u in prompts.values())
+        num_completion = sum(u.completion_tokens for u in usages)
         return cls(
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
-            total_tokens=usage.prompt_tokens + usage.completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+            prompt_tokens=num_prompt,
+            completion_tokens=num_completion,
+            total_tokens=num_prompt + num_completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
         )
 
 
@@ -187,9 +212,9 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
+    index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -208,9 +233,9 @@ class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
+    index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -224,9 +249,9 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
+    index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -254,7 +279,8 @@ class ModelList(msgspec.Struct, kw_only=True):
 
 
 # ---------------------------------------------------------------- rendering a request's TokenDeltas
-# One renderer per request: it knows the id, model and creation time every body repeats.
+# One renderer per request: it knows the id, model and creation time every body repeats, and whether
+# logprobs were asked for (then every choice carries a logprobs object, else null).
 
 
 def finish_reason(delta: TokenDelta | None) -> FinishReason | None:
@@ -264,24 +290,42 @@ def finish_reason(delta: TokenDelta | None) -> FinishReason | None:
     return "length" if delta.finish_reason == "length" else "stop"
 
 
+@dataclass(slots=True)
+class ChoiceResult:
+    """One finished choice, for a non-streamed body."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: FinishReason | None
+
+
 class Renderer(Protocol):
     request_id: str
     include_usage: bool
 
-    def opening(self) -> object | None: ...
+    def opening(self, index: int) -> object | None:
+        """What a stream sends for choice ``index`` before its first token (chat: the role)."""
+        ...
 
-    def chunk(self, text: str, last: TokenDelta | None) -> object: ...
+    def chunks(self, index: int, delta: TokenDelta) -> list[object]:
+        """What a stream sends for one TokenDelta of choice ``index`` (nothing for an empty one)."""
+        ...
 
-    def usage_chunk(self, last: TokenDelta) -> object: ...
+    def usage_chunk(self, usage: UsageInfo) -> object: ...
 
-    def whole(self, text: str, last: TokenDelta) -> object: ...
+    def whole(self, choices: Sequence[ChoiceResult], usage: UsageInfo) -> object: ...
 
 
 class ChatRenderer:
-    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, request_id: str, model: str, include_usage: bool, texts: TokenTexts | None = None
+    ) -> None:
+        """``texts``: given when logprobs were asked for."""
         self.request_id = request_id
         self.model = model
         self.include_usage = include_usage
+        self.texts = texts
         self.created = int(time.time())
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
@@ -289,48 +333,98 @@ class ChatRenderer:
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def opening(self) -> object | None:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+    def _logprobs(self, entries: Sequence[TokenLogprob] | None) -> ChatLogprobs | None:
+        if self.texts is None:
+            return None
+        return ChatLogprobs(content=chat_logprobs(self.texts, entries or ()))
 
-    def chunk(self, text: str, last: TokenDelta | None) -> object:
-        delta = ChatDelta(content=text) if text else ChatDelta()
-        return self._chunk([ChatChunkChoice(delta=delta, finish_reason=finish_reason(last))])
+    def opening(self, index: int) -> object | None:
+        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
 
-    def usage_chunk(self, last: TokenDelta) -> object:
-        return self._chunk([], UsageInfo.of(last.usage))
+    def chunks(self, index: int, delta: TokenDelta) -> list[object]:
+        out: list[object] = []
+        if delta.text or (self.texts is not None and delta.logprobs):
+            choice = ChatChunkChoice(
+                index=index, delta=ChatDelta(content=delta.text), logprobs=self._logprobs(delta.logprobs)
+            )
+            out.append(self._chunk([choice]))
+        if delta.finish_reason is not None:
+            last = ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish_reason(delta))
+            out.append(self._chunk([last]))
+        return out
 
-    def whole(self, text: str, last: TokenDelta) -> object:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason(last))
+    def usage_chunk(self, usage: UsageInfo) -> object:
+        return self._chunk([], usage)
+
+    def whole(self, choices: Sequence[ChoiceResult], usage: UsageInfo) -> object:
         return ChatCompletion(
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=[choice],
-            usage=UsageInfo.of(last.usage),
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=AssistantMessage(content=c.text),
+                    logprobs=self._logprobs(c.logprobs),
+                    finish_reason=c.finish_reason,
+                )
+                for c in choices
+            ],
+            usage=usage,
         )
 
 
 class CompletionRenderer:
-    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, request_id: str, model: str, include_usage: bool, texts: TokenTexts | None = None
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.include_usage = include_usage
+        self.texts = texts
         self.created = int(time.time())
+        self._offsets: dict[int, int] = {}  # per choice: characters of logprob tokens streamed so far
 
     def _body(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> Completion:
         return Completion(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def opening(self) -> object | None:
+    def _logprobs(self, index: int, entries: Sequence[TokenLogprob] | None) -> CompletionLogprobs | None:
+        if self.texts is None:
+            return None
+        result = completion_logprobs(self.texts, entries or (), self._offsets.get(index, 0))
+        self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in result.tokens)
+        return result
+
+    def opening(self, index: int) -> object | None:
         return None  # text completions have no role chunk
 
-    def chunk(self, text: str, last: TokenDelta | None) -> object:
-        return self._body([CompletionChoice(text=text, finish_reason=finish_reason(last))])
+    def chunks(self, index: int, delta: TokenDelta) -> list[object]:
+        has_logprobs = self.texts is not None and bool(delta.logprobs)
+        if not (delta.text or has_logprobs or delta.finish_reason is not None):
+            return []
+        choice = CompletionChoice(
+            index=index,
+            text=delta.text,
+            logprobs=self._logprobs(index, delta.logprobs),
+            finish_reason=finish_reason(delta),
+        )
+        return [self._body([choice])]
 
-    def usage_chunk(self, last: TokenDelta) -> object:
-        return self._body([], UsageInfo.of(last.usage))
+    def usage_chunk(self, usage: UsageInfo) -> object:
+        return self._body([], usage)
 
-    def whole(self, text: str, last: TokenDelta) -> object:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason(last))
-        return self._body([choice], UsageInfo.of(last.usage))
+    def whole(self, choices: Sequence[ChoiceResult], usage: UsageInfo) -> object:
+        return self._body(
+            [
+                CompletionChoice(
+                    index=c.index,
+                    text=c.text,
+                    logprobs=self._logprobs(c.index, c.logprobs),
+                    finish_reason=c.finish_reason,
+                )
+                for c in choices
+            ],
+            usage,
+        )

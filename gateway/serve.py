@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from gateway.app import Gateway, create_app
+from gateway.app import create_app
 from gateway.dispatch import Dispatcher
+from gateway.state import Gateway
 from gateway.tokenizer import PromptBuilder
 from gateway.workers import WorkerState
 from wire.config import ServerConfig
@@ -156,10 +157,22 @@ async def _wait_for_workers(
     return True
 
 
+def pool_args(config: ServerConfig) -> list[str]:
+    """The engine settings of the config's first primary pool, as worker flags (``worker_args`` given
+    after them win, argparse keeping the last)."""
+    pool = config.pools("primary")[0]
+    return [
+        "--dtype", pool.dtype,
+        "--kv-cache-gb", str(pool.kv_cache_gb),
+        "--max-num-seqs", str(pool.max_num_seqs),
+        "--max-num-batched-tokens", str(pool.max_num_batched_tokens),
+    ]  # fmt: skip
+
+
 def _spawn(address: str, index: int, options: ServeOptions) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "worker.cli", "worker", "--connect", address,
-        "--worker-id", f"{options.model_name}-{index}", *options.worker_args,
+        "--worker-id", f"{options.model_name}-{index}", *pool_args(options.config), *options.worker_args,
     ]  # fmt: skip
     return subprocess.Popen(command, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 

@@ -13,7 +13,9 @@ event loop keeps streaming other requests' tokens meanwhile.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,7 +24,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from wire.byte_tokenizer import ByteTokenizer
+from wire.byte_tokenizer import BYTE_OFFSET, ByteTokenizer, token_name
 
 Message = Mapping[str, str]  # {"role": ..., "content": ...}, content already flattened to text
 
@@ -42,6 +44,10 @@ class PromptBuilder(Protocol):
 
     def text_ids(self, text: str) -> list[int]: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token stands for (logprobs report them), perhaps part of a character."""
+        ...
+
 
 class BytePromptBuilder:
     """The mock model's prompts: the same ids its workers' MockTokenizer would produce."""
@@ -57,6 +63,11 @@ class BytePromptBuilder:
     def text_ids(self, text: str) -> list[int]:
         # As Engine.add_request encodes a string prompt: no special tokens added.
         return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id >= BYTE_OFFSET:
+            return bytes([token_id - BYTE_OFFSET])
+        return token_name(token_id).encode()
 
 
 class HFPromptBuilder:
@@ -78,6 +89,7 @@ class HFPromptBuilder:
         env.globals["raise_exception"] = _raise_exception
         self._template = env.from_string(source)
         self._special_tokens = {key: _token_text(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
+        self._byte_level = type(self._tokenizer.decoder).__name__ == "ByteLevel"
 
     def render(self, messages: Sequence[Message]) -> str:
         return self._template.render(
@@ -89,6 +101,41 @@ class HFPromptBuilder:
 
     def text_ids(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and token_id not in self._added_ids:
+            # GPT-2 style: every byte was written as one printable character; undo that map.
+            return bytes(_BYTE_OF_CHAR.get(ch, 0) for ch in piece)
+        if _BYTE_FALLBACK.fullmatch(piece):  # SentencePiece's byte fallback, e.g. <0x0A>
+            return bytes([int(piece[3:5], 16)])
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tokenizer.get_added_tokens_decoder())
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map, which byte-level BPE vocabularies use."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_BYTE_OF_CHAR = {ch: b for b, ch in _bytes_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 async def chat_ids_async(builder: PromptBuilder, messages: Sequence[Message]) -> list[int]:

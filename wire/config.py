@@ -63,6 +63,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000  # 0: the OS picks a free port (tests)
     max_body_bytes: PosInt = 1 << 20
     max_n: PosInt = 8
+    max_prompts: PosInt = 64  # prompts in one /v1/completions request
+    # Sequences admitted per worker, as a multiple of its max_num_seqs; more wait in per-tier queues here.
+    max_in_flight_factor: Annotated[float, Meta(ge=1.0)] = 2.0
     request_timeout_s: PosFloat = 600.0
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
     require_api_key: bool = False

@@ -63,6 +63,7 @@ class Register(_Message, tag="register", frozen=True, kw_only=True):
     block_size: int
     kv_capacity_tokens: int  # num_kv_blocks * block_size, sent so the gateway need not know the layout
     max_model_len: int
+    max_num_seqs: int  # sequences it runs at once: the gateway's admission counts seats from it
     vocab_size: int | None = None
     pid: int
 

@@ -311,6 +311,7 @@ class WorkerDaemon:
             block_size=config.block_size,
             kv_capacity_tokens=num_blocks * config.block_size,
             max_model_len=engine.max_model_len,
+            max_num_seqs=config.max_num_seqs,
             vocab_size=engine.model_config.vocab_size,
             pid=os.getpid(),
         )

@@ -9,22 +9,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
+import zmq
 from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.tokenizer import HFPromptBuilder
+from loadtest.launch import Server, running_server
 from wire.sampling import SamplingParams
 from worker.mock import MockModel, MockTokenizer
 from worker.models.store import DEFAULT_MODEL, default_model_dir, is_pulled
@@ -35,82 +34,19 @@ TOKENIZER = MockTokenizer()
 MODEL = MockModel()
 
 
-# ---------------------------------------------------------------- the server process
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass(frozen=True)
-class Server:
-    url: str
-    process: subprocess.Popen[bytes]
-
-    def worker_pids(self) -> list[int]:
-        """The worker processes serve started (its direct children; Linux /proc)."""
-        pid = self.process.pid
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-@contextmanager
-def running_server(args: list[str], log_path: Path, ready_timeout_s: float) -> Iterator[Server]:
-    """Yield the server once ``/ready`` answers 200; the whole process group is killed afterwards."""
-    port = free_port()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tierserve", "serve", "--port", str(port), *args],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: teardown reaches the workers too
-        )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(process, base_url, ready_timeout_s, log_path)
-        yield Server(base_url, process)
-    finally:
-        _stop(process)
-
-
-def _wait_ready(process: subprocess.Popen[bytes], base_url: str, timeout_s: float, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"serve exited with {process.returncode}:\n{log_path.read_text()}")
-            try:
-                if client.get(f"{base_url}/ready").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass  # not listening yet
-            time.sleep(0.1)  # polling interval of a deadline-bounded wait, not synchronisation
-    raise TimeoutError(f"{base_url}/ready not 200 after {timeout_s} s:\n{log_path.read_text()}")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        with suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=20)
-    # Whatever is left of the group (a worker that ignored SIGTERM, or serve itself) dies now.
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=10)
-
-
 # ---------------------------------------------------------------- mock workers
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def mock_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     with running_server(["--mock", "2"], log_path, ready_timeout_s=60) as server:
-        yield server.url
+        yield server, log_path
+
+
+@pytest.fixture(scope="module")
+def base_url(mock_server: tuple[Server, Path]) -> str:
+    return mock_server[0].base_url
 
 
 @pytest.fixture
@@ -241,54 +177,177 @@ COMPLETIONS = "/v1/completions"
 MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 OK = {"model": "mock", "messages": MSG}
 
-BAD_REQUESTS = [
-    ("malformed json", CHAT, b'{"model": "mock", "messages": [', 400, "body"),
-    ("not an object", CHAT, b"[1, 2]", 400, "body"),
-    ("missing model", CHAT, {"messages": MSG}, 400, "model"),
-    ("wrong type", CHAT, {"model": "mock", "messages": MSG, "temperature": "hot"}, 400, "temperature"),
-    ("n too big", CHAT, {"model": "mock", "messages": MSG, "n": 1000}, 400, "n"),
-    ("n > 1 unsupported", CHAT, {"model": "mock", "messages": MSG, "n": 2}, 400, "n"),
-    ("negative temperature", CHAT, {"model": "mock", "messages": MSG, "temperature": -1}, 400, "temperature"),
-    ("top_p zero", CHAT, {"model": "mock", "messages": MSG, "top_p": 0}, 400, "top_p"),
-    ("max_tokens zero", CHAT, {"model": "mock", "messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
-    (
-        "max_tokens past context",
-        CHAT,
-        {"model": "mock", "messages": MSG, "max_tokens": 5000},
-        400,
-        "max_tokens",
-    ),
-    ("prompt past context", COMPLETIONS, {"model": "mock", "prompt": "x" * 5000}, 400, "prompt"),
-    ("unknown model", CHAT, {"model": "gpt-17", "messages": MSG}, 404, "model"),
-    ("stop wrong type", CHAT, {"model": "mock", "messages": MSG, "stop": 5}, 400, "stop"),
-    ("empty stop string", CHAT, {"model": "mock", "messages": MSG, "stop": [""]}, 400, "stop"),
-    ("empty prompt", COMPLETIONS, {"model": "mock", "prompt": ""}, 400, "prompt"),
-    ("no messages", CHAT, {"model": "mock", "messages": []}, 400, "messages"),
-    ("bad message", CHAT, {"model": "mock", "messages": [{"content": "x"}]}, 400, "messages[0]"),
-    ("logprobs not yet", CHAT, {"model": "mock", "messages": MSG, "logprobs": True}, 400, "logprobs"),
-    (
-        "penalty range",
-        CHAT,
-        {"model": "mock", "messages": MSG, "presence_penalty": 3},
-        400,
-        "presence_penalty",
-    ),
-    ("oversize body", COMPLETIONS, {"model": "mock", "prompt": "x" * (1 << 20)}, 413, None),
-]
+
+def test_n_choices_streamed_and_whole(client: openai.OpenAI) -> None:
+    ids = chat_ids("three of them")
+    expected = expected_text(ids, 12)
+    whole = client.chat.completions.create(
+        model="mock",
+        messages=[{"role": "user", "content": "three of them"}],
+        max_tokens=12,
+        temperature=0,
+        n=3,
+    )
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == [expected] * 3
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 36)  # the prompt once
+    chunks = list(
+        client.chat.completions.create(
+            model="mock",
+            messages=[{"role": "user", "content": "three of them"}],
+            max_tokens=12,
+            temperature=0,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = ["", "", ""]
+    finished = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.append(choice.index)
+    assert texts == [expected] * 3 and sorted(finished) == [0, 1, 2]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 36
 
 
-@pytest.mark.parametrize(
-    ("path", "body", "status", "param"), [case[1:] for case in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS]
-)
-def test_bad_request_gets_openai_error(
-    base_url: str, path: str, body: bytes | dict[str, object], status: int, param: str | None
+def test_completions_with_a_list_of_prompts(client: openai.OpenAI) -> None:
+    prompts = ["first prompt", "second, longer prompt"]
+    whole = client.completions.create(model="mock", prompt=prompts, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]  # prompt-major: (p0, p0, p1, p1)
+    expected = [expected_text(TOKENIZER.encode(p), 8) for p in prompts]
+    assert [c.text for c in whole.choices] == [expected[0], expected[0], expected[1], expected[1]]
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == sum(len(TOKENIZER.encode(p)) for p in prompts)
+    assert whole.usage.completion_tokens == 32
+    token_ids = [TOKENIZER.encode(p) for p in prompts]
+    by_ids = client.completions.create(model="mock", prompt=token_ids, max_tokens=8, temperature=0)
+    assert [c.text for c in by_ids.choices] == expected
+
+
+def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model="mock",
+        messages=[{"role": "user", "content": "logprobs"}],
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    choice = chat.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert len(content) == 10
+    assert bytes(b for entry in content for b in entry.bytes or []).decode() == choice.message.content
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the chosen is the best
+    legacy = client.completions.create(
+        model="mock", prompt="logprobs", max_tokens=6, temperature=0, logprobs=2
+    )
+    logprobs = legacy.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.text_offset is not None
+    assert "".join(logprobs.tokens) == legacy.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+    assert logprobs.top_logprobs is not None and all(len(top) <= 2 for top in logprobs.top_logprobs)
+    plain = client.chat.completions.create(
+        model="mock", messages=[{"role": "user", "content": "no logprobs"}], max_tokens=3
+    )
+    assert plain.choices[0].logprobs is None
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of one Prometheus sample, or None when no sample matches."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
+            if all(found.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def workers_idle(base_url: str) -> bool:
+    """Every worker reports nothing running or waiting and all its KV blocks free (its last heartbeat)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    workers = re.findall(r'tierserve_worker_kv_blocks_total\{worker="([^"]+)"', text)
+    assert workers, text
+    return all(
+        metric(text, "tierserve_worker_requests_running", worker=w) == 0
+        and metric(text, "tierserve_worker_requests_waiting", worker=w) == 0
+        and metric(text, "tierserve_worker_kv_blocks_free", worker=w)
+        == metric(text, "tierserve_worker_kv_blocks_total", worker=w)
+        for w in workers
+    )
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)  # polling a deadline-bounded condition
+    return predicate()
+
+
+def test_metrics_count_requests_tokens_and_latency(base_url: str, client: openai.OpenAI) -> None:
+    before = httpx.get(f"{base_url}/metrics", timeout=5).text
+    client.chat.completions.create(
+        model="mock", messages=[{"role": "user", "content": "count me"}], max_tokens=4
+    )
+    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    assert "# TYPE tierserve_time_to_first_token_seconds histogram" in text
+    labels = {"model": "mock", "tier": "standard"}
+    done = metric(text, "tierserve_requests_total", status="200", **labels) or 0
+    assert done == (metric(before, "tierserve_requests_total", status="200", **labels) or 0) + 1
+    tokens = metric(text, "tierserve_output_tokens_total", **labels) or 0
+    assert tokens - (metric(before, "tierserve_output_tokens_total", **labels) or 0) == 4
+    assert (metric(text, "tierserve_time_to_first_token_seconds_count", **labels) or 0) >= 1
+    assert metric(text, "tierserve_worker_up", worker="mock-0", state="ready") == 1
+
+
+def test_non_streamed_client_that_leaves_aborts_its_request(base_url: str) -> None:
+    assert wait_until(lambda: workers_idle(base_url), 5)
+    body = {"model": "mock", "messages": [{"role": "user", "content": "long"}], "max_tokens": 3000}
+    with pytest.raises(httpx.ReadTimeout):  # 3000 mock steps are 15 s; we leave after 0.5 s
+        httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=0.5)
+    # The worker frees the request's blocks at once; its next heartbeat (every 0.5 s) tells the gateway.
+    assert wait_until(lambda: workers_idle(base_url), 1.5)
+    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    assert (metric(text, "tierserve_requests_total", model="mock", tier="standard", status="499") or 0) >= 1
+
+
+def test_malformed_frames_to_the_gateway_socket_are_dropped(
+    mock_server: tuple[Server, Path], client: openai.OpenAI
 ) -> None:
-    kwargs: dict[str, object] = {"content": body} if isinstance(body, bytes) else {"json": body}
-    response = httpx.post(f"{base_url}{path}", timeout=10, **kwargs)  # type: ignore[arg-type]
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert error["message"] and error["type"]
-    assert error["param"] == param
+    server, log_path = mock_server
+    address = re.search(r"worker\(s\) of 'mock' on (tcp://\S+)", log_path.read_text())
+    assert address is not None
+    before = httpx.get(f"{server.base_url}/metrics", timeout=5).text
+    ctx = zmq.Context()
+    try:
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 1000)
+        rogue.connect(address.group(1))
+        rogue.send(b"\x00garbage, not msgpack")
+        rogue.send(msgspec.msgpack.encode({"type": "heartbeat", "v": 1, "worker_id": "mock-0"}))  # incomplete
+        rogue.send(msgspec.msgpack.encode({"type": "from_the_future", "v": 99}))
+        rogue.send_multipart([b"two", b"frames"])
+        rogue.close()
+    finally:
+        ctx.term()
+
+    def dropped(text: str) -> float:
+        return sum(metric(text, "tierserve_wire_frames_dropped_total", reason=r) or 0
+                   for r in ("malformed", "version", "multipart"))  # fmt: skip
+
+    base = dropped(before)
+    assert wait_until(lambda: dropped(httpx.get(f"{server.base_url}/metrics", timeout=5).text) >= base + 4, 5)
+    reply = client.completions.create(model="mock", prompt="still serving", max_tokens=5, temperature=0)
+    assert reply.choices[0].text == expected_text(TOKENIZER.encode("still serving"), 5)
 
 
 def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
@@ -351,7 +410,7 @@ def test_worker_killed_mid_stream_ends_with_error_event_then_503(server_one_work
     events: list[str] = []
     # The read timeout bounds the wait: the gateway declares the worker lost after 3 s of silence.
     with httpx.Client(timeout=httpx.Timeout(30.0)) as http:
-        with http.stream("POST", f"{server_one_worker.url}/v1/chat/completions", json=body) as response:
+        with http.stream("POST", f"{server_one_worker.base_url}/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
                 if not line:
@@ -363,10 +422,10 @@ def test_worker_killed_mid_stream_ends_with_error_event_then_503(server_one_work
         error = json.loads(events[-2])["error"]
         assert error["code"] == "worker_lost" and error["message"]
         # No worker left: new requests are refused with 503, and /ready says so.
-        after = http.post(f"{server_one_worker.url}/v1/chat/completions", json={**body, "stream": False})
+        after = http.post(f"{server_one_worker.base_url}/v1/chat/completions", json={**body, "stream": False})
         assert after.status_code == 503, after.text
         assert after.json()["error"]["message"]
-        assert http.get(f"{server_one_worker.url}/ready").status_code == 503
+        assert http.get(f"{server_one_worker.base_url}/ready").status_code == 503
 
 
 # ---------------------------------------------------------------- the real embedded model (slow)
@@ -380,7 +439,7 @@ MAX_TOKENS = 24
 def model_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log_path = tmp_path_factory.mktemp("serve-model") / "serve.log"
     with running_server([], log_path, ready_timeout_s=300) as server:
-        yield server.url
+        yield server.base_url
 
 
 def engine_text() -> str:

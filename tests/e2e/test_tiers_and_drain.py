@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_serve import Server, chat_ids, expected_text, running_server
+from loadtest.launch import Server, running_server
+from tests.e2e.test_serve import chat_ids, expected_text
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,7 +71,7 @@ def chat(url: str, key: str | None, tier: str | None) -> httpx.Response:
     [("chat-key", None, "interactive"), ("chat-key", "batch", "batch"), ("jobs-key", "standard", "standard")],
 )
 def test_allowed_tier_is_served_and_echoed(server: Server, key: str, tier: str | None, echoed: str) -> None:
-    response = chat(server.url, key, tier)
+    response = chat(server.base_url, key, tier)
     assert response.status_code == 200, response.text
     assert response.headers["x-sla-tier"] == echoed
     assert response.json()["choices"][0]["finish_reason"] == "length"
@@ -87,7 +88,7 @@ def test_allowed_tier_is_served_and_echoed(server: Server, key: str, tier: str |
     ids=["no key", "wrong key", "above max tier", "unknown tier"],
 )
 def test_refused(server: Server, key: str | None, tier: str | None, status: int, kind: str) -> None:
-    response = chat(server.url, key, tier)
+    response = chat(server.base_url, key, tier)
     assert response.status_code == status, response.text
     assert response.json()["error"]["type"] == kind
     if status in (400, 403):
@@ -116,14 +117,17 @@ def test_sigterm_drains_live_streams_then_exits_0(draining_server: Server) -> No
         raise AssertionError("stream ended without [DONE]")
 
     async def main() -> tuple[list[list[dict[str, object]]], httpx.Response, list[bool]]:
-        async with asyncio.timeout(DEADLINE_S), httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        async with (
+            asyncio.timeout(DEADLINE_S),
+            httpx.AsyncClient(base_url=server.base_url, timeout=30) as client,
+        ):
             started = [asyncio.Event() for _ in range(NUM_STREAMS)]
             streams = [asyncio.create_task(one_stream(client, e)) for e in started]
             for event in started:
                 await event.wait()  # every stream is in flight before the signal
             os.kill(server.process.pid, signal.SIGTERM)
             # New connections (a separate client), as a load balancer's probes and new callers would be.
-            async with httpx.AsyncClient(base_url=server.url, timeout=10) as fresh:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as fresh:
                 while (await fresh.get("/ready")).status_code != 503:
                     await asyncio.sleep(0.01)  # poll interval under the deadline, not synchronisation
                 refused = await fresh.post("/v1/chat/completions", json=body, headers=auth)

@@ -280,6 +280,7 @@ def test_garbage_frames_are_dropped_and_counted(fleet: Fleet) -> None:
                     block_size=16,
                     kv_capacity_tokens=16,
                     max_model_len=64,
+                    max_num_seqs=4,
                     pid=1,
                 )
             )

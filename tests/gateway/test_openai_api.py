@@ -9,10 +9,18 @@ from openai.types.chat import ChatCompletion as OpenAIChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 
 from gateway.errors import APIError, from_dispatch, invalid
-from gateway.openai_api import ChatRenderer, CompletionRenderer, decode_chat, decode_completion
+from gateway.logprobs import TokenTexts
+from gateway.openai_api import (
+    ChatRenderer,
+    ChoiceResult,
+    CompletionRenderer,
+    UsageInfo,
+    decode_chat,
+    decode_completion,
+)
 from gateway.request_stream import NoWorkerAvailable, WorkerLost, WorkerRejected
 from wire.errors import InvalidRequestError
-from wire.messages import TokenDelta, Usage
+from wire.messages import TokenDelta, TokenLogprob, Usage
 
 MSG = {"role": "user", "content": "hi"}
 
@@ -75,13 +83,58 @@ def test_decode_errors_name_the_field(body: bytes, field: str) -> None:
     assert error.status == 400 and error.param == field
 
 
-def test_n_and_logprobs_limits() -> None:
+def test_n_and_logprobs_map_to_sampling() -> None:
     with pytest.raises(InvalidRequestError, match="between 1 and 8"):
         decode_chat(chat_body(n=9)).check_n(8)
-    with pytest.raises(InvalidRequestError, match="only n = 1"):
-        decode_chat(chat_body(n=2)).check_n(8)
-    with pytest.raises(InvalidRequestError, match="logprobs"):
-        decode_chat(chat_body(logprobs=True)).to_sampling(room=10)
+    decode_chat(chat_body(n=8)).check_n(8)
+    assert decode_chat(chat_body(logprobs=True)).to_sampling(room=10).logprobs == 0
+    assert decode_chat(chat_body(logprobs=True, top_logprobs=3)).to_sampling(room=10).logprobs == 3
+    assert decode_chat(chat_body()).to_sampling(room=10).logprobs is None
+    with pytest.raises(InvalidRequestError, match="needs logprobs"):
+        decode_chat(chat_body(top_logprobs=3)).to_sampling(room=10)
+    legacy = decode_completion(b'{"model": "m", "prompt": "x", "logprobs": 2}')
+    assert legacy.to_sampling(room=10).logprobs == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("one", ["one"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
+)
+def test_completion_prompt_forms(prompt: object, expected: list[object]) -> None:
+    request = decode_completion(msgspec.json.encode({"model": "m", "prompt": prompt}))
+    assert request.prompts(max_prompts=4) == expected
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ([], "must not be empty"),
+        (["a", 1], "all strings"),
+        ([[1], "a"], "all strings"),
+        (["a"] * 5, "at most 4"),
+    ],
+)
+def test_completion_prompt_mistakes(prompt: object, match: str) -> None:
+    request = decode_completion(msgspec.json.encode({"model": "m", "prompt": prompt}))
+    with pytest.raises(InvalidRequestError, match=match) as info:
+        request.prompts(max_prompts=4)
+    assert info.value.field == "prompt"
+
+
+def test_usage_counts_a_shared_prompt_once() -> None:
+    usages = [
+        Usage(prompt_tokens=10, completion_tokens=3, cached_tokens=4),
+        Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=4),
+        Usage(prompt_tokens=7, completion_tokens=1),
+    ]
+    total = UsageInfo.total(usages, [0, 0, 1])
+    assert (total.prompt_tokens, total.completion_tokens, total.total_tokens) == (17, 9, 26)
+    assert total.prompt_tokens_details.cached_tokens == 4
 
 
 def test_dispatch_errors_become_statuses() -> None:
@@ -102,27 +155,84 @@ def as_json(payload: object) -> object:
     return msgspec.json.decode(msgspec.json.encode(payload))
 
 
+USAGE = UsageInfo.total([LAST.usage], [0])
+TEXTS = TokenTexts({1: b"he", 2: b"llo", 3: b"\xe2\x9c", 4: b"\x93"}.__getitem__)
+LOGPROBS = [
+    TokenLogprob(token_id=1, logprob=-0.1, top=[(1, -0.1), (2, -2.5)]),
+    TokenLogprob(token_id=2, logprob=-0.2, top=[(2, -0.2)]),
+]
+
+
 def test_chat_bodies_validate_as_openai_types() -> None:
     renderer = ChatRenderer("chatcmpl-1", "m", include_usage=True)
-    whole = OpenAIChatCompletion.model_validate(as_json(renderer.whole("hello", LAST)))
-    assert whole.choices[0].message.content == "hello" and whole.choices[0].finish_reason == "length"
+    results = [ChoiceResult(0, "hello", [], "length"), ChoiceResult(1, "bye", [], "stop")]
+    whole = OpenAIChatCompletion.model_validate(as_json(renderer.whole(results, USAGE)))
+    assert [c.message.content for c in whole.choices] == ["hello", "bye"]
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.choices[0].finish_reason == "length" and whole.choices[0].logprobs is None
     assert whole.usage is not None and whole.usage.total_tokens == 5
-    for chunk in (
-        renderer.opening(),
-        renderer.chunk("he", None),
-        renderer.chunk("", LAST),
-        renderer.usage_chunk(LAST),
-    ):
-        OpenAIChatCompletionChunk.model_validate(as_json(chunk))
+    middle = TokenDelta(request_id="r", epoch=0, text="he", usage=LAST.usage)
+    chunks = [
+        renderer.opening(1),
+        *renderer.chunks(1, middle),
+        *renderer.chunks(1, LAST),
+        renderer.usage_chunk(USAGE),
+    ]
+    parsed = [OpenAIChatCompletionChunk.model_validate(as_json(chunk)) for chunk in chunks]
+    assert [c.choices[0].index for c in parsed[:3]] == [1, 1, 1]
+    assert parsed[1].choices[0].delta.content == "he" and parsed[2].choices[0].finish_reason == "length"
+    assert parsed[3].choices == [] and parsed[3].usage is not None
+    assert renderer.chunks(0, TokenDelta(request_id="r", epoch=0, usage=LAST.usage)) == []
+
+
+def test_chat_logprobs_carry_token_text_and_exact_bytes() -> None:
+    renderer = ChatRenderer("chatcmpl-1", "m", include_usage=False, texts=TEXTS)
+    whole = OpenAIChatCompletion.model_validate(
+        as_json(renderer.whole([ChoiceResult(0, "hello", LOGPROBS, "stop")], USAGE))
+    )
+    logprobs = whole.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    expected = [("he", -0.1, [104, 101]), ("llo", -0.2, [108, 108, 111])]
+    assert [(t.token, t.logprob, t.bytes) for t in logprobs.content] == expected
+    assert [(t.token, t.logprob) for t in logprobs.content[0].top_logprobs] == [("he", -0.1), ("llo", -2.5)]
+    # A token that is half a character: its bytes are exact, its text has a replacement character.
+    half = ChatRenderer("c", "m", False, TEXTS).whole(
+        [ChoiceResult(0, "✓", [TokenLogprob(token_id=3, logprob=-1.0)], "stop")], USAGE
+    )
+    entry = as_json(half)["choices"][0]["logprobs"]["content"][0]  # type: ignore[index]
+    assert entry["bytes"] == [0xE2, 0x9C] and entry["token"] == "\ufffd"
+    # Streamed: a delta with logprobs but no text yet (held back) still sends them.
+    held = TokenDelta(request_id="r", epoch=0, logprobs=LOGPROBS[:1], usage=LAST.usage)
+    [chunk] = renderer.chunks(0, held)
+    assert as_json(chunk)["choices"][0]["logprobs"]["content"][0]["token"] == "he"  # type: ignore[index]
 
 
 def test_completion_bodies_validate_as_openai_types() -> None:
     renderer = CompletionRenderer("cmpl-1", "m", include_usage=False)
-    whole = OpenAICompletion.model_validate(as_json(renderer.whole("text", LAST)))
+    whole = OpenAICompletion.model_validate(
+        as_json(renderer.whole([ChoiceResult(0, "text", [], "length")], USAGE))
+    )
     assert whole.choices[0].text == "text"
     assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
     # The openai type insists on a finish_reason; mid-stream chunks carry null, as OpenAI's own do.
-    OpenAICompletion.model_validate(as_json(renderer.chunk("t", LAST)))
+    [chunk] = renderer.chunks(0, LAST)
+    OpenAICompletion.model_validate(as_json(chunk))
+
+
+def test_completion_logprobs_in_the_legacy_shape_with_offsets_across_chunks() -> None:
+    renderer = CompletionRenderer("cmpl-1", "m", include_usage=False, texts=TEXTS)
+    first = TokenDelta(request_id="r", epoch=0, text="he", logprobs=LOGPROBS[:1], usage=LAST.usage)
+    second = TokenDelta(request_id="r", epoch=0, text="llo", logprobs=LOGPROBS[1:], usage=LAST.usage)
+    bodies = [as_json(c) for d in (first, second) for c in renderer.chunks(0, d)]
+    logprobs = [b["choices"][0]["logprobs"] for b in bodies]  # type: ignore[index]
+    top = [{"he": -0.1, "llo": -2.5}]
+    assert logprobs[0] == {
+        "tokens": ["he"],
+        "token_logprobs": [-0.1],
+        "top_logprobs": top,
+        "text_offset": [0],
+    }
+    assert logprobs[1]["text_offset"] == [2]
 
 
 def test_gateway_imports_neither_torch_nor_transformers_nor_worker() -> None:

@@ -18,6 +18,7 @@ def _register(worker_id: str, *, model: str = "m", pid: int = 1) -> Register:
         block_size=16,
         kv_capacity_tokens=1600,
         max_model_len=4096,
+        max_num_seqs=8,
         pid=pid,
     )
 

@@ -105,6 +105,7 @@ message_strategies: dict[type[Any], st.SearchStrategy[Any]] = {
         block_size=counts,
         kv_capacity_tokens=counts,
         max_model_len=counts,
+        max_num_seqs=counts,
         vocab_size=st.none() | counts,
         pid=counts,
     ),

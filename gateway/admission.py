@@ -1,0 +1,218 @@
+"""Admission: per-tier bounded queues in front of the workers, and 429 when one is full.
+
+    request ─▶ Admission(model).admit(tier, seats)
+                 ├─ a free seat, nobody more urgent waiting ─▶ go now
+                 ├─ its tier's queue has room ─────────────▶ wait (most urgent tier served first,
+                 │                                            FIFO within a tier)
+                 └─ otherwise ─────────────────────────────▶ Shed: 429, Retry-After from the drain rate
+
+A *seat* is one sequence running or waiting on a worker. The fleet has ``capacity()`` of them (the ready
+workers' ``max_num_seqs`` times ``gateway.max_in_flight_factor``: a little more than they run at once,
+so each worker's own scheduler always has the next request at hand). A request with ``n`` choices takes
+``n`` seats; it gets them all at once or waits.
+
+Sheddable tiers go first: while anything more urgent is waiting, a request of a sheddable tier is
+refused at once instead of queued, so batch traffic never sits in front of the queue an interactive
+user is in. Non-sheddable tiers are refused only when their own queue is full.
+
+Retry-After is the time the queue ahead of the caller would take to drain at the rate seats were
+released over the last ``DRAIN_WINDOW_S`` seconds (1 s when nothing has finished yet), clamped to
+[1, ``MAX_RETRY_AFTER_S``]: a client that honours it comes back about when it could be served.
+
+One event loop owns an Admission; nothing is locked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from wire.tier import Tier
+
+DRAIN_WINDOW_S = 10.0
+MAX_RETRY_AFTER_S = 60
+
+
+class Shed(Exception):
+    """The request was not admitted; answer 429 with ``retry_after_s``."""
+
+    def __init__(self, tier: Tier, reason: str, retry_after_s: int) -> None:
+        super().__init__(reason)
+        self.tier = tier
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    tier: Tier
+    seats: int
+    enqueued_at: float
+    granted: asyncio.Future[None]
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """Seats held by one admitted request; ``release`` (idempotent) gives them back."""
+
+    admission: Admission
+    tier: Tier
+    seats: int
+    waited_s: float  # time spent in the queue (0 when admitted at once)
+    _released: bool = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.admission._release(self.seats)
+
+
+@dataclass(slots=True)
+class TierCounts:
+    admitted: int = 0
+    queued: int = 0  # admitted after waiting
+    shed: int = 0
+
+
+class Admission:
+    """The seats of one model's fleet and the per-tier queues for them."""
+
+    def __init__(
+        self, tiers: Iterable[Tier], capacity: Callable[[], int], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._tiers = sorted(tiers, key=lambda t: t.rank)
+        self._capacity = capacity
+        self._clock = clock
+        self._queues: dict[str, collections.deque[_Waiter]] = {
+            t.name: collections.deque() for t in self._tiers
+        }
+        self._in_use = 0
+        self._released: collections.deque[tuple[float, int]] = collections.deque()  # (time, seats)
+        self.counts: dict[str, TierCounts] = {t.name: TierCounts() for t in self._tiers}
+
+    # ---- what metrics and tests read ----------------------------------------------------------
+
+    @property
+    def seats_in_use(self) -> int:
+        return self._in_use
+
+    def queue_length(self, tier_name: str) -> int:
+        return len(self._queues[tier_name])
+
+    def drain_rate(self) -> float | None:
+        """Seats released per second over the last ``DRAIN_WINDOW_S``; None before the first release."""
+        now = self._clock()
+        self._forget_old_releases(now)
+        if not self._released:
+            return None
+        span = max(now - self._released[0][0], 1.0)
+        return sum(seats for _, seats in self._released) / span
+
+    # ---- admitting ----------------------------------------------------------------------------
+
+    async def admit(self, tier: Tier, seats: int = 1) -> Ticket:
+        """Seats for one request: at once, after waiting in ``tier``'s queue, or :class:`Shed`.
+
+        Cancelling the caller while it waits (the client went away) leaves the queue cleanly.
+        """
+        if tier.name not in self._queues:
+            raise KeyError(f"unknown tier {tier.name!r}")
+        now = self._clock()
+        if self._can_go_now(tier, seats):
+            self._in_use += seats
+            self.counts[tier.name].admitted += 1
+            return Ticket(self, tier, seats, 0.0)
+        if tier.sheddable and self._more_urgent_waiting(tier):
+            raise self._shed(tier, "overloaded: more urgent requests are waiting")
+        queue = self._queues[tier.name]
+        if len(queue) >= tier.max_queue:
+            raise self._shed(tier, f"the {tier.name!r} queue is full ({tier.max_queue} waiting)")
+        waiter = _Waiter(tier, seats, now, asyncio.get_running_loop().create_future())
+        queue.append(waiter)
+        try:
+            await waiter.granted
+        except asyncio.CancelledError:
+            if waiter.granted.done() and not waiter.granted.cancelled():
+                self._release(seats)  # granted in the same instant we were cancelled: give them back
+            else:
+                with contextlib.suppress(ValueError):  # _grant may have dropped it already
+                    queue.remove(waiter)
+                self._grant()  # a head that was too big may have blocked smaller ones behind it
+            raise
+        self.counts[tier.name].admitted += 1
+        self.counts[tier.name].queued += 1
+        return Ticket(self, tier, seats, self._clock() - now)
+
+    def _can_go_now(self, tier: Tier, seats: int) -> bool:
+        if self._in_use + seats > max(self._capacity(), seats):  # a request bigger than the fleet still runs
+            return False
+        return not any(self._queues[t.name] for t in self._tiers if t.rank <= tier.rank)
+
+    def _more_urgent_waiting(self, tier: Tier) -> bool:
+        return any(self._queues[t.name] for t in self._tiers if t.rank < tier.rank)
+
+    def _shed(self, tier: Tier, reason: str) -> Shed:
+        self.counts[tier.name].shed += 1
+        return Shed(tier, reason, self.retry_after_s(tier))
+
+    def retry_after_s(self, tier: Tier) -> int:
+        ahead = sum(w.seats for t in self._tiers if t.rank <= tier.rank for w in self._queues[t.name]) + 1
+        rate = self.drain_rate() or 1.0
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(ahead / rate)))
+
+    # ---- releasing ----------------------------------------------------------------------------
+
+    def _release(self, seats: int) -> None:
+        self._in_use -= seats
+        now = self._clock()
+        self._released.append((now, seats))
+        self._forget_old_releases(now)
+        self._grant()
+
+    def capacity_changed(self) -> None:
+        """Workers joined: waiting requests may fit now."""
+        self._grant()
+
+    def _grant(self) -> None:
+        """Hand free seats to waiters: most urgent tier first, FIFO within it, never skipping a head."""
+        capacity = self._capacity()
+        for tier in self._tiers:
+            queue = self._queues[tier.name]
+            while queue:
+                head = queue[0]
+                if head.granted.done():  # cancelled; its admit() removes it
+                    queue.popleft()
+                    continue
+                if self._in_use + head.seats > max(capacity, head.seats):
+                    return
+                queue.popleft()
+                self._in_use += head.seats
+                head.granted.set_result(None)
+
+    def _forget_old_releases(self, now: float) -> None:
+        while self._released and now - self._released[0][0] > DRAIN_WINDOW_S:
+            self._released.popleft()
+
+
+@dataclass(slots=True)
+class AdmissionBook:
+    """One :class:`Admission` per served model, created on first use."""
+
+    tiers: tuple[Tier, ...]
+    capacity_of: Callable[[str], int]
+    by_model: dict[str, Admission] = field(default_factory=dict)
+
+    def __call__(self, model: str) -> Admission:
+        admission = self.by_model.get(model)
+        if admission is None:
+            admission = self.by_model[model] = Admission(self.tiers, lambda: self.capacity_of(model))
+        return admission
+
+    def capacity_changed(self) -> None:
+        for admission in self.by_model.values():
+            admission.capacity_changed()

@@ -1,0 +1,334 @@
+"""One completion request, from a parsed body to its answer.
+
+    Job (choices: prompt × n) ─▶ admission (seats = choices; 429 + Retry-After) ─▶ one Submit per choice
+        ─▶ ChoiceStreams (fan-in by index) ─▶ first token of every choice (a worker's refusal is a 4xx)
+        ─▶ SSE events  or  one JSON body ─▶ seats released, metrics recorded
+
+A client that goes away at any point (queued, waiting for its first token, mid-answer, streamed or not)
+cancels the work, which aborts every choice on its worker. ``gateway.request_timeout_s`` bounds the
+whole request: past it the answer is a 504 (or, mid-stream, an error event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+from starlette.responses import Response
+from starlette.types import Receive
+
+from gateway import errors
+from gateway.admission import Shed, Ticket
+from gateway.errors import APIError
+from gateway.identity import Identity
+from gateway.openai_api import ChoiceResult, Renderer, UsageInfo, finish_reason
+from gateway.request_stream import DispatchError, RequestStream
+from gateway.sse import DONE, ClientDisconnected, EventStreamResponse, event, until_disconnect
+from gateway.state import Gateway
+from wire.messages import TokenDelta, TokenLogprob, Usage
+from wire.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+CLIENT_GONE = "499"  # nginx's status for "the client closed the connection": only ever a metric label
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    prompt_index: int  # choices of one prompt share its prompt tokens (counted once in usage)
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class Job:
+    model: str
+    identity: Identity
+    choices: list[Choice]
+    renderer: Renderer
+    stream: bool
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Per choice: what the client has been sent, for the body, usage and latency metrics."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last: TokenDelta | None = None
+    num_tokens: int = 0
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+class ChoiceStreams:
+    """The RequestStreams of a job's choices read as one: ``(index, delta)`` as they arrive.
+
+    Leaving early (``aclose``, or cancellation) aborts every choice still running. One choice is read
+    directly; several are pumped into one queue by a task each.
+    """
+
+    def __init__(self, streams: Sequence[RequestStream], deadline: float) -> None:
+        self._streams = list(streams)
+        self._deadline = deadline
+        self._queue: asyncio.Queue[tuple[int, TokenDelta | DispatchError]] = asyncio.Queue()
+        self._pumps: list[asyncio.Task[None]] = []
+        self.pending: list[tuple[int, TokenDelta]] = []  # read ahead by ``first_of_each``
+        if len(self._streams) > 1:
+            self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
+
+    async def _pump(self, index: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                self._queue.put_nowait((index, delta))
+        except DispatchError as exc:
+            self._queue.put_nowait((index, exc))
+
+    async def _next(self) -> tuple[int, TokenDelta]:
+        async with asyncio.timeout_at(self._deadline):
+            if len(self._streams) == 1:
+                return 0, await anext(self._streams[0])
+            index, item = await self._queue.get()
+        if isinstance(item, DispatchError):
+            raise item
+        return index, item
+
+    async def first_of_each(self) -> None:
+        """Wait until every choice has answered once (so a refusal can still be a 4xx status)."""
+        seen: set[int] = set()
+        while len(seen) < len(self._streams):
+            index, delta = await self._next()
+            self.pending.append((index, delta))
+            seen.add(index)
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, TokenDelta]]:
+        return self
+
+    async def __anext__(self) -> tuple[int, TokenDelta]:
+        if self.pending:
+            return self.pending.pop(0)
+        return await self._next()
+
+    async def aclose(self) -> None:
+        for stream in self._streams:
+            stream.abort()
+        for pump in self._pumps:
+            pump.cancel()
+        if self._pumps:
+            await asyncio.gather(*self._pumps, return_exceptions=True)
+
+
+async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
+    """Admit, run and answer ``job``; raises :class:`APIError` for an answer that is an error."""
+    tier = job.identity.tier
+    labels = (job.model, tier.name)
+    admission = gateway.admissions(job.model)
+    try:
+        ticket = await until_disconnect(receive, admission.admit(tier, seats=len(job.choices)))
+    except Shed as exc:
+        gateway.metrics.shed.inc(*labels)
+        gateway.metrics.requests.inc(*labels, "429")
+        raise APIError(
+            429,
+            f"{exc.reason}; retry after {exc.retry_after_s} s",
+            code="overloaded",
+            headers={"retry-after": str(exc.retry_after_s)},
+        ) from None
+    except ClientDisconnected:
+        gateway.metrics.requests.inc(*labels, CLIENT_GONE)
+        raise
+    gateway.metrics.queue_time.observe(*labels, value=ticket.waited_s)
+    run = _Run(gateway, job, ticket)
+    try:
+        streams = await until_disconnect(receive, run.start())
+        if job.stream:
+            return EventStreamResponse(
+                run.events(streams), gateway.headers(job.model, job.identity), on_close=run.closer(streams)
+            )
+        body = await until_disconnect(receive, run.collect(streams))
+    except BaseException as exc:
+        run.finish(_status_of(exc))
+        raise
+    run.finish("200")
+    return Response(
+        msgspec.json.encode(body),
+        media_type="application/json",
+        headers=gateway.headers(job.model, job.identity),
+    )
+
+
+def _status_of(exc: BaseException) -> str:
+    if isinstance(exc, APIError):
+        return str(exc.status)
+    if isinstance(exc, ClientDisconnected | asyncio.CancelledError | GeneratorExit):
+        return CLIENT_GONE
+    return "500"
+
+
+class _Run:
+    """The admitted part of one job: its streams, what each choice has sent, and the bookkeeping."""
+
+    def __init__(self, gateway: Gateway, job: Job, ticket: Ticket) -> None:
+        self.gateway = gateway
+        self.job = job
+        self.ticket = ticket
+        self.progress = [_Progress() for _ in job.choices]
+        self.deadline = asyncio.get_running_loop().time() + gateway.config.gateway.request_timeout_s
+        self._finished = False
+
+    async def start(self) -> ChoiceStreams:
+        """Submit every choice and wait for each one's first delta."""
+        job = self.job
+        many = len(job.choices) > 1
+        streams: list[RequestStream] = []
+        try:
+            for choice in job.choices:
+                request_id = f"{job.renderer.request_id}-{choice.index}" if many else job.renderer.request_id
+                streams.append(
+                    await self.gateway.dispatcher.submit(
+                        job.model, request_id, choice.prompt_ids, choice.sampling, job.identity.tier
+                    )
+                )
+        except BaseException as exc:
+            for stream in streams:
+                stream.abort()
+            if isinstance(exc, DispatchError):
+                raise errors.from_dispatch(exc) from None
+            raise
+        fan = ChoiceStreams(streams, self.deadline)
+        try:
+            await fan.first_of_each()
+            for _, delta in fan.pending:
+                _raise_if_failed(delta)
+        except BaseException as exc:
+            await fan.aclose()
+            if isinstance(exc, DispatchError | TimeoutError):
+                raise _as_api_error(exc) from None
+            raise
+        return fan
+
+    def _on_delta(self, index: int, delta: TokenDelta) -> None:
+        _raise_if_failed(delta)
+        progress = self.progress[index]
+        progress.last = delta
+        if delta.token_ids:
+            now = time.monotonic()
+            if progress.first_at is None:
+                progress.first_at = now
+            progress.last_at = now
+            progress.num_tokens += len(delta.token_ids)
+        if delta.logprobs:
+            progress.logprobs.extend(delta.logprobs)
+
+    def _done(self) -> bool:
+        return all(p.last is not None and p.last.finish_reason is not None for p in self.progress)
+
+    def usage(self) -> UsageInfo:
+        usages = [p.last.usage if p.last is not None else Usage(prompt_tokens=0, completion_tokens=0)
+                  for p in self.progress]  # fmt: skip
+        return UsageInfo.total(usages, [c.prompt_index for c in self.job.choices])
+
+    async def collect(self, streams: ChoiceStreams) -> object:
+        try:
+            async for index, delta in streams:
+                self._on_delta(index, delta)
+                self.progress[index].text.append(delta.text)
+                if self._done():
+                    break
+        except (DispatchError, TimeoutError) as exc:
+            raise _as_api_error(exc) from None
+        finally:
+            await streams.aclose()
+        results = [
+            ChoiceResult(
+                index=choice.index,
+                text="".join(p.text),
+                logprobs=p.logprobs,
+                finish_reason=finish_reason(p.last),
+            )
+            for choice, p in zip(self.job.choices, self.progress, strict=True)
+        ]
+        return self.job.renderer.whole(results, self.usage())
+
+    async def events(self, streams: ChoiceStreams) -> AsyncGenerator[bytes, None]:
+        renderer = self.job.renderer
+        status = CLIENT_GONE  # unless we get to the end
+        try:
+            for choice in self.job.choices:
+                opening = renderer.opening(choice.index)
+                if opening is not None:
+                    yield event(opening)
+            try:
+                async for index, delta in streams:
+                    self._on_delta(index, delta)
+                    for chunk in renderer.chunks(self.job.choices[index].index, delta):
+                        yield event(chunk)
+                    if self._done():
+                        break
+                if renderer.include_usage:
+                    yield event(renderer.usage_chunk(self.usage()))
+                status = "200"
+            except (DispatchError, APIError, TimeoutError) as exc:
+                failure = _as_api_error(exc)
+                status = str(failure.status)
+                yield event(failure.body())
+            yield DONE
+        finally:
+            await streams.aclose()
+            self.finish(status)
+
+    def closer(self, streams: ChoiceStreams) -> Callable[[], Awaitable[None]]:
+        """Cleanup for a stream response whose events never started (the generator's own never runs)."""
+
+        async def close() -> None:
+            await streams.aclose()
+            self.finish(CLIENT_GONE)
+
+        return close
+
+    def finish(self, status: str) -> None:
+        """Give the seats back and record the request (once, whichever path ends it)."""
+        if self._finished:
+            return
+        self._finished = True
+        self.ticket.release()
+        metrics = self.gateway.metrics
+        labels = (self.job.model, self.job.identity.tier.name)
+        metrics.requests.inc(*labels, status)
+        if status != "200":
+            return
+        metrics.e2e.observe(*labels, value=time.monotonic() - self.job.arrival)
+        first = min((p.first_at for p in self.progress if p.first_at is not None), default=None)
+        if first is not None:
+            metrics.ttft.observe(*labels, value=first - self.job.arrival)
+        for p in self.progress:
+            if p.first_at is not None and p.last_at is not None and p.num_tokens > 1:
+                metrics.tpot.observe(*labels, value=(p.last_at - p.first_at) / (p.num_tokens - 1))
+        usage = self.usage()
+        metrics.prompt_tokens.inc(*labels, amount=usage.prompt_tokens)
+        metrics.output_tokens.inc(*labels, amount=usage.completion_tokens)
+        metrics.cached_tokens.inc(*labels, amount=usage.prompt_tokens_details.cached_tokens)
+
+
+def _as_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, DispatchError):
+        return errors.from_dispatch(exc)
+    if isinstance(exc, TimeoutError):
+        return APIError(504, "the request took longer than the server's request timeout", code="timeout")
+    raise exc
+
+
+def _raise_if_failed(delta: TokenDelta) -> None:
+    if delta.finish_reason == "error":
+        log.error("request %s failed on its worker: %s", delta.request_id, delta.error)
+        raise APIError(500, f"the worker failed this request: {delta.error}", code="internal_error")
+    if delta.finish_reason == "abort":
+        raise APIError(503, "the worker stopped before finishing this request; retry", code="aborted")

@@ -1,0 +1,186 @@
+"""Everything a client can get wrong gets its documented 4xx (never a 5xx), with a well-formed stream
+running beside the bad requests the whole time and finishing unchanged.
+
+One real ``tierserve serve --mock 1`` with API keys configured (a keyless anonymous tenant plus a keyed
+tenant capped at the ``standard`` tier), driven with raw httpx so malformed bytes reach the server as
+they are.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loadtest.launch import Server, running_server
+from tests.e2e.test_serve import chat_ids, expected_text
+
+pytestmark = pytest.mark.timeout(120)
+
+CONFIG = """
+[[tenants]]
+name = "anonymous"
+
+[[tenants]]
+name = "acme"
+api_keys = ["acme-key"]
+max_tier = "standard"
+"""
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+BESIDE_PROMPT = "a stream that must not notice"
+BESIDE_TOKENS = 400  # ~2 s of mock steps: it runs through the whole table
+
+
+def chat(**fields: object) -> dict[str, object]:
+    return {"model": "mock", "messages": MSG, **fields}
+
+
+def completion(**fields: object) -> dict[str, object]:
+    return {"model": "mock", **fields}
+
+
+INVALID_UTF8 = b'{"model": "mock", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+LONE_SURROGATE = b'{"model": "mock", "messages": [{"role": "user", "content": "\\ud800"}]}'
+ACME = {"authorization": "Bearer acme-key"}
+
+# (id, path, body (bytes: sent as is), extra headers, status, error.param)
+BAD_REQUESTS: list[tuple[str, str, bytes | dict[str, object], dict[str, str], int, str | None]] = [
+    ("malformed json", CHAT, b'{"model": "mock", "messages": [', {}, 400, "body"),
+    ("not an object", CHAT, b"[1, 2]", {}, 400, "body"),
+    ("a json string", CHAT, b'"hello"', {}, 400, "body"),
+    ("empty body", CHAT, b"", {}, 400, "body"),
+    ("invalid utf-8", CHAT, INVALID_UTF8, {}, 400, "body"),
+    ("lone surrogate", CHAT, LONE_SURROGATE, {}, 400, "body"),
+    ("missing model", CHAT, {"messages": MSG}, {}, 400, "model"),
+    ("wrong type", CHAT, chat(temperature="hot"), {}, 400, "temperature"),
+    ("float max_tokens", CHAT, chat(max_tokens=1.5), {}, 400, "max_tokens"),
+    ("huge n", CHAT, chat(n=1000), {}, 400, "n"),
+    ("n zero", CHAT, chat(n=0), {}, 400, "n"),
+    ("negative temperature", CHAT, chat(temperature=-1), {}, 400, "temperature"),
+    ("top_p zero", CHAT, chat(top_p=0), {}, 400, "top_p"),
+    ("max_tokens zero", CHAT, chat(max_tokens=0), {}, 400, "max_tokens"),
+    ("max_tokens past context", CHAT, chat(max_tokens=5000), {}, 400, "max_tokens"),
+    ("huge max_tokens", CHAT, chat(max_tokens=10**15), {}, 400, "max_tokens"),
+    ("negative seed", CHAT, chat(seed=-1), {}, 400, "seed"),
+    ("penalty range", CHAT, chat(presence_penalty=3), {}, 400, "presence_penalty"),
+    ("stop wrong type", CHAT, chat(stop=5), {}, 400, "stop"),
+    ("empty stop string", CHAT, chat(stop=[""]), {}, 400, "stop"),
+    ("too many stop strings", CHAT, chat(stop=[str(i) for i in range(17)]), {}, 400, "stop"),
+    ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), {}, 400, "top_logprobs"),
+    ("top_logprobs too many", CHAT, chat(logprobs=True, top_logprobs=21), {}, 400, "logprobs"),
+    ("no messages", CHAT, {"model": "mock", "messages": []}, {}, 400, "messages"),
+    ("message without role", CHAT, {"model": "mock", "messages": [{"content": "x"}]}, {}, 400, "messages[0]"),
+    (
+        "image content",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        {},
+        400,
+        "messages",
+    ),
+    ("prompt past context", COMPLETIONS, completion(prompt="x" * 5000), {}, 400, "prompt"),
+    ("empty prompt", COMPLETIONS, completion(prompt=""), {}, 400, "prompt"),
+    ("empty prompt list", COMPLETIONS, completion(prompt=[]), {}, 400, "prompt"),
+    ("mixed prompt list", COMPLETIONS, completion(prompt=["a", 1]), {}, 400, "prompt"),
+    ("too many prompts", COMPLETIONS, completion(prompt=["a"] * 65), {}, 400, "prompt"),
+    ("token id outside vocabulary", COMPLETIONS, completion(prompt=[5, 10**6]), {}, 400, "prompt"),
+    ("unknown model", CHAT, chat(model="gpt-17"), {}, 404, "model"),
+    ("unknown tier", CHAT, chat(), {"x-sla-tier": "platinum"}, 400, "X-SLA-Tier"),
+    ("wrong key", CHAT, chat(), {"authorization": "Bearer nope"}, 401, None),
+    ("malformed authorization", CHAT, chat(), {"authorization": "Basic Zm9v"}, 401, None),
+    (
+        "tier above the tenant's",
+        CHAT,
+        chat(),
+        {"authorization": "Bearer acme-key", "x-sla-tier": "interactive"},
+        403,
+        "X-SLA-Tier",
+    ),
+    ("oversize body", COMPLETIONS, completion(prompt="x" * (1 << 20)), {}, 413, None),
+]
+
+
+class BesideStream(threading.Thread):
+    """A well-formed streamed chat running in the background while the bad requests go in."""
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__(daemon=True)
+        self.base_url = base_url
+        self.text: list[str] = []
+        self.started = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"model": "mock", "messages": [{"role": "user", "content": BESIDE_PROMPT}],
+                "max_tokens": BESIDE_TOKENS, "temperature": 0, "stream": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"{self.base_url}{CHAT}", json=body, timeout=60) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    self.started.set()
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line[6:])["choices"]:
+                            self.text.append(choice["delta"].get("content") or "")
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.started.set()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp: Path = tmp_path_factory.mktemp("bad-requests")
+    (tmp / "tierserve.toml").write_text(CONFIG)
+    args = ["--mock", "1", "--config", str(tmp / "tierserve.toml")]
+    with running_server(args, tmp / "serve.log", ready_timeout_s=60) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def beside(server: Server) -> Iterator[BesideStream]:
+    stream = BesideStream(server.base_url)
+    stream.start()
+    assert stream.started.wait(30)
+    yield stream
+    stream.join(60)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "param"),
+    [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
+def test_bad_request_gets_its_4xx(
+    server: Server,
+    beside: BesideStream,
+    path: str,
+    body: bytes | dict[str, object],
+    headers: dict[str, str],
+    status: int,
+    param: str | None,
+) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **headers}
+    response = httpx.post(f"{server.base_url}{path}", content=content, headers=headers, timeout=10)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    assert error["param"] == param
+
+
+def test_at_least_25_kinds_of_bad_request() -> None:
+    assert len(BAD_REQUESTS) >= 25
+
+
+def test_the_stream_beside_them_finished_unchanged(server: Server, beside: BesideStream) -> None:
+    beside.join(60)
+    assert not beside.is_alive() and beside.error is None
+    assert "".join(beside.text) == expected_text(chat_ids(BESIDE_PROMPT), BESIDE_TOKENS)
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert 'status="500"' not in metrics and 'status="200"' in metrics

@@ -1,0 +1,165 @@
+"""Admission: seats, per-tier queues served most-urgent first, 429 with a Retry-After from the drain rate."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.admission import Admission, Shed
+from wire.tier import Tier
+
+INTERACTIVE = Tier(name="interactive", rank=0, max_queue=2)
+STANDARD = Tier(name="standard", rank=1, max_queue=2)
+BATCH = Tier(name="batch", rank=2, max_queue=4, sheddable=True)
+TIERS = (BATCH, INTERACTIVE, STANDARD)  # any order: ranks decide
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(capacity: int, clock: Clock | None = None) -> tuple[Admission, list[int]]:
+    seats = [capacity]
+    return Admission(TIERS, lambda: seats[0], clock or Clock()), seats
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_admits_up_to_capacity_then_queues_until_a_release() -> None:
+    admission, _ = make(2)
+    a = await admission.admit(STANDARD)
+    b = await admission.admit(STANDARD)
+    assert a.waited_s == 0 and admission.seats_in_use == 2
+    waiting = asyncio.create_task(admission.admit(STANDARD))
+    await settle()
+    assert not waiting.done() and admission.queue_length("standard") == 1
+    a.release()
+    a.release()  # idempotent
+    c = await asyncio.wait_for(waiting, 1)
+    assert admission.seats_in_use == 2 and admission.queue_length("standard") == 0
+    b.release()
+    c.release()
+    assert admission.seats_in_use == 0
+    assert admission.counts["standard"].admitted == 3 and admission.counts["standard"].queued == 1
+
+
+async def test_most_urgent_tier_first_then_fifo() -> None:
+    admission, _ = make(1)
+    holder = await admission.admit(STANDARD)
+    order: list[str] = []
+
+    async def wait(tier: Tier, name: str) -> None:
+        ticket = await admission.admit(tier)
+        order.append(name)
+        await asyncio.sleep(0)
+        ticket.release()
+
+    tasks = [asyncio.create_task(wait(STANDARD, "s1"))]
+    await settle()
+    tasks.append(asyncio.create_task(wait(INTERACTIVE, "i1")))
+    await settle()
+    tasks.append(asyncio.create_task(wait(STANDARD, "s2")))
+    tasks.append(asyncio.create_task(wait(INTERACTIVE, "i2")))
+    await settle()
+    holder.release()
+    await asyncio.wait_for(asyncio.gather(*tasks), 1)
+    assert order == ["i1", "i2", "s1", "s2"]
+
+
+async def test_a_newcomer_does_not_overtake_waiters_of_its_tier_or_above() -> None:
+    admission, seats = make(1)
+    holder = await admission.admit(INTERACTIVE)
+    queued = asyncio.create_task(admission.admit(INTERACTIVE))
+    await settle()
+    seats[0] = 3  # more room appears, but only capacity_changed() hands it out
+    late = asyncio.create_task(admission.admit(STANDARD))
+    await settle()
+    assert not late.done()  # an interactive request is waiting ahead of it
+    admission.capacity_changed()
+    await asyncio.wait_for(asyncio.gather(queued, late), 1)
+    holder.release()
+
+
+async def test_full_queue_sheds_with_retry_after_from_the_drain_rate() -> None:
+    clock = Clock()
+    admission, _ = make(1, clock)
+    running = await admission.admit(INTERACTIVE)
+    waiters = [asyncio.create_task(admission.admit(INTERACTIVE)) for _ in range(2)]
+    await settle()
+    with pytest.raises(Shed) as info:
+        await admission.admit(INTERACTIVE)
+    assert "queue is full" in info.value.reason
+    assert info.value.retry_after_s == 3  # 3 seats ahead (2 waiting + itself) at the 1/s floor
+    assert admission.counts["interactive"].shed == 1
+    # Seats drain at 4 per second: 3 ahead → 1 s.
+    for _ in range(4):
+        running.release()
+        clock.now += 0.25
+        running = await asyncio.wait_for(waiters.pop(0), 1) if waiters else await admission.admit(INTERACTIVE)
+    waiters = [asyncio.create_task(admission.admit(INTERACTIVE)) for _ in range(2)]
+    await settle()
+    rate = admission.drain_rate()
+    assert rate is not None and rate == pytest.approx(4.0)
+    with pytest.raises(Shed) as info:
+        await admission.admit(INTERACTIVE)
+    assert info.value.retry_after_s == 1
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def test_sheddable_tier_is_refused_while_more_urgent_requests_wait() -> None:
+    admission, _ = make(1)
+    holder = await admission.admit(BATCH)
+    batch_waiter = asyncio.create_task(admission.admit(BATCH))  # nothing more urgent waits: it queues
+    await settle()
+    assert admission.queue_length("batch") == 1
+    urgent = asyncio.create_task(admission.admit(STANDARD))
+    await settle()
+    with pytest.raises(Shed, match="more urgent"):
+        await admission.admit(BATCH)
+    holder.release()
+    ticket = await asyncio.wait_for(urgent, 1)  # the standard request went first
+    assert not batch_waiter.done()
+    ticket.release()
+    (await asyncio.wait_for(batch_waiter, 1)).release()
+    assert admission.seats_in_use == 0
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_holds_no_seat() -> None:
+    admission, _ = make(1)
+    holder = await admission.admit(STANDARD)
+    waiter = asyncio.create_task(admission.admit(STANDARD))
+    await settle()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert admission.queue_length("standard") == 0
+    holder.release()
+    assert admission.seats_in_use == 0
+
+
+async def test_several_seats_at_once_and_a_request_bigger_than_the_fleet_still_runs() -> None:
+    admission, _ = make(4)
+    one = await admission.admit(STANDARD, seats=3)
+    big = asyncio.create_task(admission.admit(STANDARD, seats=2))
+    await settle()
+    assert not big.done()
+    small = asyncio.create_task(admission.admit(STANDARD, seats=1))
+    await settle()
+    assert not small.done()  # FIFO: it does not jump the bigger request ahead of it
+    one.release()
+    tickets = await asyncio.wait_for(asyncio.gather(big, small), 1)
+    assert admission.seats_in_use == 3
+    for ticket in tickets:
+        ticket.release()
+    huge = await admission.admit(STANDARD, seats=9)  # more than capacity: alone, it runs
+    huge.release()
