@@ -13,6 +13,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -88,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--duration", type=float, help="seconds during which requests are sent")
 
     out = p.add_argument_group("output")
-    out.add_argument("--output-dir", type=Path, help="result.json, summary.md, requests.jsonl, PNG plots")
+    out.add_argument(
+        "--output-dir",
+        type=Path,
+        help="result.json, summary.md, requests.jsonl, PNG plots (default: ./load-results/UTC-TIMESTAMP)",
+    )
+    out.add_argument("--no-output", action="store_true", help="write no files, only print")
     out.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     out.add_argument("--quiet", action="store_true", help="no progress line")
     return p
@@ -154,8 +160,9 @@ def _run(args: argparse.Namespace) -> int:
     }
     body = result_json(settings, results, run.started_at)
     text = markdown(settings, results)
-    if args.output_dir is not None:
-        out: Path = args.output_dir
+    if not args.no_output:
+        stamp = datetime.fromtimestamp(run.started_at, UTC).strftime("%Y%m%d-%H%M%S")
+        out: Path = args.output_dir or Path("load-results") / stamp
         out.mkdir(parents=True, exist_ok=True)
         (out / "result.json").write_text(json.dumps(body, indent=2) + "\n")
         (out / "summary.md").write_text(text)
