@@ -122,7 +122,7 @@ def test_an_unreachable_server_is_counted_not_crashed(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
     done = tierserve(
         "load", "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer", "bytes",
-        "--rate", "50", "--num-requests", "5", "--output-len", "4", "--json", "--quiet",
+        "--rate", "50", "--num-requests", "5", "--output-len", "4", "--json", "--quiet", "--no-output",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     overall = json.loads(done.stdout)["targets"][0]["summary"]["overall"]
