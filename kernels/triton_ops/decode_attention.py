@@ -55,6 +55,7 @@ def _decode_split_kernel(
     scale_log2,
     sliding_window,
     keys_per_split,
+    num_splits,
     stride_qb,
     stride_qh,
     stride_ckv,
@@ -71,7 +72,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -132,12 +133,12 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         dst = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # partials: [B, Hq, NUM_SPLITS, BLOCK_D] fp32 and [B, Hq, NUM_SPLITS] fp32, contiguous
-        part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+        # partials: [B, Hq, num_splits, BLOCK_D] fp32 and [B, Hq, num_splits] fp32, contiguous
+        part = (seq * NUM_HEADS + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], out, mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
@@ -148,20 +149,20 @@ def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    num_splits,
     stride_ob,
     stride_oh,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
-    base = (seq * NUM_HEADS + head) * NUM_SPLITS
+    s_mask = s < num_splits
+    base = (seq * NUM_HEADS + head) * num_splits
     lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key (a padding row): output 0
@@ -267,6 +268,7 @@ def paged_decode_attention(
         scale * LOG2E,
         sliding_window or 0,
         keys_per_split,
+        num_splits,
         query.stride(0),
         query.stride(1),
         kv_cache.stride(0),
@@ -283,7 +285,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        SINGLE_SPLIT=num_splits == 1,
         USE_WINDOW=sliding_window is not None,
         PRECISION=precision,
         UPCAST_DOT=needs_upcast_dot(query.dtype),
@@ -295,12 +297,12 @@ def paged_decode_attention(
             part_out,
             part_lse,
             out,
+            num_splits,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
             BLOCK_S=next_power_of_2(num_splits),
         )
     return out
