@@ -26,7 +26,7 @@ from gateway.admission import Shed, Ticket
 from gateway.errors import APIError
 from gateway.identity import Identity
 from gateway.openai_api import ChoiceResult, Renderer, UsageInfo, finish_reason
-from gateway.request_stream import DispatchError, RequestStream
+from gateway.request_stream import DispatchError, RequestStream, RequestTimedOut
 from gateway.sse import DONE, ClientDisconnected, EventStreamResponse, event, until_disconnect
 from gateway.state import Gateway
 from wire.messages import TokenDelta, TokenLogprob, Usage
@@ -75,13 +75,19 @@ class ChoiceStreams:
     """
 
     def __init__(self, streams: Sequence[RequestStream], deadline: float) -> None:
+        """``deadline``: event-loop time after which every stream ends with :class:`RequestTimedOut`."""
         self._streams = list(streams)
-        self._deadline = deadline
         self._queue: asyncio.Queue[tuple[int, TokenDelta | DispatchError]] = asyncio.Queue()
         self._pumps: list[asyncio.Task[None]] = []
         self.pending: list[tuple[int, TokenDelta]] = []  # read ahead by ``first_of_each``
         if len(self._streams) > 1:
             self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
+        # One timer for the whole request, not a timeout around every token.
+        self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        for stream in self._streams:
+            stream.fail(RequestTimedOut("the request took longer than the server's request timeout"))
 
     async def _pump(self, index: int, stream: RequestStream) -> None:
         try:
@@ -91,10 +97,9 @@ class ChoiceStreams:
             self._queue.put_nowait((index, exc))
 
     async def _next(self) -> tuple[int, TokenDelta]:
-        async with asyncio.timeout_at(self._deadline):
-            if len(self._streams) == 1:
-                return 0, await anext(self._streams[0])
-            index, item = await self._queue.get()
+        if len(self._streams) == 1:
+            return 0, await anext(self._streams[0])
+        index, item = await self._queue.get()
         if isinstance(item, DispatchError):
             raise item
         return index, item
@@ -116,6 +121,7 @@ class ChoiceStreams:
         return await self._next()
 
     async def aclose(self) -> None:
+        self._timer.cancel()
         for stream in self._streams:
             stream.abort()
         for pump in self._pumps:
@@ -208,7 +214,7 @@ class _Run:
                 _raise_if_failed(delta)
         except BaseException as exc:
             await fan.aclose()
-            if isinstance(exc, DispatchError | TimeoutError):
+            if isinstance(exc, DispatchError):
                 raise _as_api_error(exc) from None
             raise
         return fan
@@ -241,7 +247,7 @@ class _Run:
                 self.progress[index].text.append(delta.text)
                 if self._done():
                     break
-        except (DispatchError, TimeoutError) as exc:
+        except DispatchError as exc:
             raise _as_api_error(exc) from None
         finally:
             await streams.aclose()
@@ -274,7 +280,7 @@ class _Run:
                 if renderer.include_usage:
                     yield event(renderer.usage_chunk(self.usage()))
                 status = "200"
-            except (DispatchError, APIError, TimeoutError) as exc:
+            except (DispatchError, APIError) as exc:
                 failure = _as_api_error(exc)
                 status = str(failure.status)
                 yield event(failure.body())
@@ -321,8 +327,6 @@ def _as_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, DispatchError):
         return errors.from_dispatch(exc)
-    if isinstance(exc, TimeoutError):
-        return APIError(504, "the request took longer than the server's request timeout", code="timeout")
     raise exc
 
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
-from gateway.request_stream import DispatchError, NoWorkerAvailable, WorkerLost, WorkerRejected
+from gateway.request_stream import (
+    DispatchError,
+    NoWorkerAvailable,
+    RequestTimedOut,
+    WorkerLost,
+    WorkerRejected,
+)
 from wire.errors import InvalidRequestError
 
 _TYPES = {
@@ -21,6 +27,7 @@ _TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",
+    504: "timeout_error",
     503: "service_unavailable",
 }
 
@@ -99,6 +106,8 @@ def from_dispatch(exc: DispatchError) -> APIError:
         return APIError(exc.status, f"{exc.field}: {exc.message}", param=exc.field)
     if isinstance(exc, NoWorkerAvailable):
         return APIError(503, str(exc), code="no_worker_available")
+    if isinstance(exc, RequestTimedOut):
+        return APIError(504, str(exc), code="timeout")
     if isinstance(exc, WorkerLost):
         return APIError(502, f"the worker running this request was lost: {exc.reason}", code="worker_lost")
     return APIError(503, str(exc), code="unavailable")  # DispatcherClosed: shutting down

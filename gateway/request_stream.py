@@ -48,6 +48,10 @@ class DispatcherClosed(DispatchError):
     pass
 
 
+class RequestTimedOut(DispatchError):
+    """The request ran past the gateway's ``request_timeout_s``."""
+
+
 @dataclass(slots=True)
 class InFlight:
     submit: Submit  # the attempt now running; a failover would replace it with epoch + 1
@@ -104,6 +108,13 @@ class RequestStream:
             raise item
         self._is_done = item.finish_reason is not None
         return item
+
+    def fail(self, error: DispatchError) -> None:
+        """Stop the request on its worker now and end the stream with ``error`` after what is already
+        queued (a deadline passed)."""
+        if not self._is_done:
+            self._on_abort(self._request)  # the dispatcher forgets it: nothing more is queued after this
+            self._request.queue.put_nowait(error)
 
     def abort(self) -> None:
         """Stop the request now (no-op once it has finished); what was queued is discarded."""

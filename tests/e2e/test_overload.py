@@ -16,13 +16,14 @@ import httpx
 import pytest
 
 from loadtest.launch import Server, running_server
-from tests.e2e.test_serve import chat_ids, expected_text
+from tests.e2e.test_serve import chat_ids, expected_text, wait_until, workers_idle
 
 pytestmark = pytest.mark.timeout(120)
 
 CONFIG = """
 [gateway]
 max_in_flight_factor = 1.0
+request_timeout_s = 4.0
 
 [[models.pools]]
 name = "mock"
@@ -147,3 +148,20 @@ def test_queue_then_shed_with_retry_after_sheddable_first(server: Server) -> Non
             assert metric(text, "tierserve_admission_seats_in_use") == 0
 
     asyncio.run(main())
+
+
+def test_past_the_request_timeout_504_or_an_error_event(server: Server) -> None:
+    long = body("forever", 3000)  # 15 s of mock steps, past the 4 s timeout
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        response = client.post("/v1/chat/completions", json=long)
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["code"] == "timeout"
+        with client.stream("POST", "/v1/chat/completions", json={**long, "stream": True}) as streamed:
+            assert streamed.status_code == 200
+            lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and '"code":"timeout"' in lines[-2]
+        # Both were aborted on the worker, not left running there.
+        assert wait_until(lambda: workers_idle(server.base_url), 1.5)
+        text = client.get("/metrics").text
+        assert metric(text, "tierserve_requests_total", tier="standard", status="504") == 2
+        assert metric(text, "tierserve_admission_seats_in_use") == 0

@@ -468,3 +468,44 @@ def test_chat_matches_in_process_engine(model_url: str) -> None:
     text = completion.choices[0].message.content
     assert text, "the model answered nothing"
     assert text == engine_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@needs_model
+def test_32_concurrent_streams_then_disconnects_free_every_block(model_url: str) -> None:
+    """The real model: 32 streams at once all finish; then 8 clients leave mid-stream and the worker's
+    KV blocks are all free again within a second (plus one heartbeat for the gateway to hear of it)."""
+
+    async def stream(client: openai.AsyncOpenAI, i: int, leave_after: int | None) -> tuple[int, str | None]:
+        chunks = 0
+        finish = None
+        response = await client.chat.completions.create(
+            model=DEFAULT_MODEL,
+            messages=[{"role": "user", "content": f"Tell me fact number {i} about the sea."}],
+            max_tokens=24 if leave_after is None else 400,
+            temperature=0,
+            stream=True,
+        )
+        async with response:
+            async for chunk in response:
+                chunks += 1
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+                if leave_after is not None and chunks >= leave_after:
+                    break  # leaving the `async with` closes the connection mid-stream
+        return chunks, finish
+
+    async def main() -> tuple[list[tuple[int, str | None]], list[tuple[int, str | None]]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{model_url}/v1", api_key="unused", timeout=300, max_retries=0
+        ) as client:
+            done = await asyncio.gather(*(stream(client, i, None) for i in range(32)))
+            left = await asyncio.gather(*(stream(client, i, 5) for i in range(8)))
+        return done, left
+
+    assert wait_until(lambda: workers_idle(model_url), 5)
+    done, left = asyncio.run(main())
+    assert all(finish in ("stop", "length") and chunks > 1 for chunks, finish in done), done
+    assert all(finish is None for _, finish in left), left
+    assert wait_until(lambda: workers_idle(model_url), 1.0 + 0.5)  # heartbeat interval 0.5 s
