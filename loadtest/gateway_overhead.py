@@ -1,4 +1,4 @@
-"""Gateway overhead: the whole stack (``tierserve serve`` + the openai client) vs the engine in-process.
+"""Gateway overhead: the whole stack (``tierserve serve`` over HTTP/SSE) vs the engine in-process.
 
     python -m loadtest.gateway_overhead --json
 
@@ -9,7 +9,7 @@ both at once (the server is stopped before the in-process engine is loaded):
       TPOT as vLLM defines it: (t_last - t_first) / (n - 1), n the output tokens. On the stack t_first
       is the first chunk carrying text, t_last the chunk carrying finish_reason and n is the usage's
       completion_tokens; in-process they are the steps that returned the first and the last token.
-  (b) concurrency: ``--num-streams`` distinct prompts at once (asyncio + ``openai.AsyncOpenAI``) through
+  (b) concurrency: ``--num-streams`` distinct prompts at once (asyncio + httpx) through
       the stack vs the same requests added at once to the engine: output tokens / wall time.
 EOS is not ignorable over the API, so neither side ignores it: both count the tokens that arrived.
 Both sides are warmed up first. Load goes to 127.0.0.1 only; the server (``loadtest.launch``) runs in its
@@ -30,9 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import openai
+import httpx
+import msgspec
 
 from loadtest.launch import free_port, log_tail, running_server
+from loadtest.sse import SSEParser
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -48,6 +50,7 @@ TOPICS = [
 ]  # fmt: skip
 MOCK_STEP_MS = 5.0  # what `worker --mock` charges a step unless told otherwise (worker/cli.py)
 REQUEST_TIMEOUT_S = 300.0
+_decode = msgspec.json.Decoder().decode
 READY_TIMEOUT_S = 600.0
 
 
@@ -75,27 +78,41 @@ class StreamResult:
     finish_reason: str | None
 
 
-async def stream_chat(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> StreamResult:
-    stream = await client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+async def stream_chat(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> StreamResult:
+    """One streamed chat completion, read with httpx and loadtest's own SSE parser.
+
+    The client runs on the same two cores as the server and the worker, so it must cost little per
+    token: like vLLM's benchmark (aiohttp, hand-parsed SSE), not the openai SDK, which builds a
+    pydantic object per chunk (about twice the CPU). The SDK itself is exercised by the e2e tests.
+    """
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t_first = t_last = float("nan")
     num_tokens = 0
     finish: str | None = None
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.usage is not None:
-            num_tokens = chunk.usage.completion_tokens
-        for choice in chunk.choices:
-            if choice.delta.content and t_first != t_first:  # NaN: not set yet
-                t_first = now
-            if choice.finish_reason is not None:
-                t_last, finish = now, choice.finish_reason
+    parser = SSEParser()
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for raw in response.aiter_raw():
+            now = time.perf_counter()
+            for data in parser.feed(raw):
+                if data == b"[DONE]":
+                    continue
+                chunk = _decode(data)
+                usage = chunk.get("usage")
+                if usage:
+                    num_tokens = usage["completion_tokens"]
+                for choice in chunk["choices"]:
+                    if choice["delta"].get("content") and t_first != t_first:  # NaN: not set yet
+                        t_first = now
+                    if choice.get("finish_reason") is not None:
+                        t_last, finish = now, choice["finish_reason"]
     return StreamResult(num_tokens, t_first, t_last, finish)
 
 
@@ -103,10 +120,9 @@ async def measure_stack(
     url: str, single_tokens: int, num_streams: int, max_tokens: int
 ) -> tuple[StreamResult, float, list[StreamResult]]:
     """(single-stream result, concurrent tok/s, concurrent results)."""
-    async with openai.AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0
-    ) as client:
-        model = (await client.models.list()).data[0].id
+    limits = httpx.Limits(max_connections=num_streams + 8, max_keepalive_connections=num_streams + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
         progress(f"stack: model {model!r}; warming up")
         await stream_chat(client, model, SINGLE_PROMPT, 8)
         await asyncio.gather(*(stream_chat(client, model, concurrent_prompt(i), 4) for i in range(4)))
