@@ -141,7 +141,10 @@ async def _answer(
     prompts: Sequence[Sequence[int]],
     renderer: Renderer,
 ) -> Response:
-    job = Job(parsed.model, identity, _choices(gateway, parsed, prompts), renderer, parsed.stream)
+    context_class = gateway.config.gateway.context_class(max(len(p) for p in prompts))
+    job = Job(
+        parsed.model, identity, _choices(gateway, parsed, prompts), renderer, parsed.stream, context_class
+    )
     log.debug("request %s: tenant %s, tier %s", renderer.request_id, identity.tenant.name, identity.tier.name)
     try:
         return await respond(gateway, job, request.receive)

@@ -52,7 +52,16 @@ class Job:
     choices: list[Choice]
     renderer: Renderer
     stream: bool
+    context_class: str  # from the longest prompt (gateway.context_classes)
     arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {
+            "x-sla-tier": self.identity.tier.name,
+            "x-tierserve-model": self.model,
+            "x-context-class": self.context_class,
+        }
 
 
 @dataclass(slots=True)
@@ -154,9 +163,7 @@ async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
     try:
         streams = await until_disconnect(receive, run.start())
         if job.stream:
-            return EventStreamResponse(
-                run.events(streams), gateway.headers(job.model, job.identity), on_close=run.closer(streams)
-            )
+            return EventStreamResponse(run.events(streams), job.headers, on_close=run.closer(streams))
         body = await until_disconnect(receive, run.collect(streams))
     except BaseException as exc:
         run.finish(_status_of(exc))
@@ -165,7 +172,7 @@ async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
     return Response(
         msgspec.json.encode(body),
         media_type="application/json",
-        headers=gateway.headers(job.model, job.identity),
+        headers=job.headers,
     )
 
 

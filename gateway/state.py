@@ -10,7 +10,6 @@ from gateway.admission import AdmissionBook
 from gateway.dispatch import Dispatcher
 from gateway.drain import Drain
 from gateway.errors import APIError
-from gateway.identity import Identity
 from gateway.instruments import GatewayMetrics
 from gateway.logprobs import TokenTexts
 from gateway.tokenizer import PromptBuilder
@@ -33,9 +32,6 @@ class Gateway:
         self.admissions = AdmissionBook(self.config.tiers, self.capacity_of)
         self.dispatcher.add_listener(self.admissions.capacity_changed)
         self.metrics.watch(self.dispatcher, self.admissions)
-
-    def headers(self, model: str, identity: Identity) -> dict[str, str]:
-        return {"x-sla-tier": identity.tier.name, "x-tierserve-model": model}
 
     def builder(self, model: str) -> PromptBuilder:
         builder = self.builders.get(model)

@@ -24,6 +24,7 @@ from wire.tier import DEFAULT_TIERS, Tier
 
 __all__ = [
     "ConfigError",
+    "ContextClass",
     "GatewayConfig",
     "ModelPool",
     "ModelsConfig",
@@ -58,6 +59,21 @@ class TierNotAllowedError(ValueError):
         self.allowed = allowed
 
 
+class ContextClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A named band of prompt lengths: requests are classified by their prompt's token count, echoed
+    in ``x-context-class`` and (with the routing issue) matched to pools that serve that band."""
+
+    name: Name
+    max_prompt_tokens: PosInt | None = None  # None: no upper bound (must be the last class)
+
+
+DEFAULT_CONTEXT_CLASSES = (
+    ContextClass(name="short", max_prompt_tokens=1024),
+    ContextClass(name="medium", max_prompt_tokens=8192),
+    ContextClass(name="long"),
+)
+
+
 class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000  # 0: the OS picks a free port (tests)
@@ -69,6 +85,14 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     request_timeout_s: PosFloat = 600.0
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
     require_api_key: bool = False
+    context_classes: tuple[ContextClass, ...] = DEFAULT_CONTEXT_CLASSES  # ascending max_prompt_tokens
+
+    def context_class(self, num_prompt_tokens: int) -> str:
+        """The first class whose bound holds ``num_prompt_tokens``."""
+        for band in self.context_classes:
+            if band.max_prompt_tokens is None or num_prompt_tokens <= band.max_prompt_tokens:
+                return band.name
+        return self.context_classes[-1].name
 
 
 class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -233,6 +257,27 @@ def _validate(config: ServerConfig, fail: _Fail) -> None:
     _validate_tiers(config, fail)
     _validate_tenants(config, fail)
     _validate_pools(config, fail)
+    _validate_context_classes(config, fail)
+
+
+def _validate_context_classes(config: ServerConfig, fail: _Fail) -> None:
+    classes = config.gateway.context_classes
+    if not classes:
+        raise fail("gateway.context_classes", "at least one class is needed")
+    bound = 0
+    names: set[str] = set()
+    for i, band in enumerate(classes):
+        key = f"gateway.context_classes[{i}]"
+        if band.name in names:
+            raise fail(f"{key}.name", f"duplicate context class {band.name!r}")
+        names.add(band.name)
+        if band.max_prompt_tokens is None:
+            if i != len(classes) - 1:
+                raise fail(f"{key}.max_prompt_tokens", "only the last class may be unbounded")
+        elif band.max_prompt_tokens <= bound:
+            raise fail(f"{key}.max_prompt_tokens", f"must grow from class to class (previous: {bound})")
+        else:
+            bound = band.max_prompt_tokens
 
 
 def _validate_tiers(config: ServerConfig, fail: _Fail) -> None:

@@ -77,6 +77,7 @@ def test_chat_non_stream(client: openai.OpenAI) -> None:
     )
     assert raw.headers["x-sla-tier"] == "standard"
     assert raw.headers["x-tierserve-model"] == "mock"
+    assert raw.headers["x-context-class"] == "short"
     completion = raw.parse()
     ids = chat_ids("Hello there")
     assert completion.choices[0].message.content == expected_text(ids, 20)
@@ -223,6 +224,8 @@ def test_completions_with_a_list_of_prompts(client: openai.OpenAI) -> None:
     assert whole.usage is not None
     assert whole.usage.prompt_tokens == sum(len(TOKENIZER.encode(p)) for p in prompts)
     assert whole.usage.completion_tokens == 32
+    long = client.completions.with_raw_response.create(model="mock", prompt="x" * 1500, max_tokens=1)
+    assert long.headers["x-context-class"] == "medium"  # 1500 byte tokens: past the 1024 of "short"
     token_ids = [TOKENIZER.encode(p) for p in prompts]
     by_ids = client.completions.create(model="mock", prompt=token_ids, max_tokens=8, temperature=0)
     assert [c.text for c in by_ids.choices] == expected

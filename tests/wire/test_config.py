@@ -165,6 +165,17 @@ BAD_FILES = [
     ("[[models.pools]]\nname = 'm'\ndtype = 'int3'\n", "models.pools[0].dtype", "invalid value 'int3'"),
     ("[policies]\nrouting = { nam = 'x' }\n", "policies.routing.nam", "unknown key (known: name, params)"),
     ("[policies]\nrouting = 3\n", "policies.routing", "expected a table, got 3"),
+    (
+        "[[gateway.context_classes]]\nname = 'all'\n[[gateway.context_classes]]\nname = 'x'\n",
+        "gateway.context_classes[0].max_prompt_tokens",
+        "only the last class may be unbounded",
+    ),
+    (
+        "[[gateway.context_classes]]\nname = 'a'\nmax_prompt_tokens = 9\n"
+        "[[gateway.context_classes]]\nname = 'b'\nmax_prompt_tokens = 9\n",
+        "gateway.context_classes[1].max_prompt_tokens",
+        "must grow",
+    ),
 ]
 
 
@@ -295,3 +306,15 @@ def test_a_tenant_can_lower_its_tier_but_never_raise_it_above_max_tier() -> None
     assert config.resolve_tier(chat, "batch").name == "batch"
     with pytest.raises(KeyError):
         config.resolve_tier(chat, "gold")
+
+
+def test_context_classes_classify_by_prompt_tokens(tmp_path: Path) -> None:
+    gateway = load_config(env={}).gateway
+    assert [gateway.context_class(n) for n in (1, 1024, 1025, 8192, 10**6)] == [
+        "short", "short", "medium", "medium", "long",
+    ]  # fmt: skip
+    path = tmp_path / "c.toml"
+    path.write_text("[[gateway.context_classes]]\nname = 'small'\nmax_prompt_tokens = 10\n"
+                    "[[gateway.context_classes]]\nname = 'big'\nmax_prompt_tokens = 20\n")  # fmt: skip
+    bounded = load_config(path, env={}).gateway
+    assert [bounded.context_class(n) for n in (10, 11, 21)] == ["small", "big", "big"]
