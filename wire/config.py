@@ -138,7 +138,7 @@ def _policy(name: str) -> Any:
 
 class PoliciesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     ordering: PolicySelection = _policy("fcfs")
-    budget: PolicySelection = _policy("tpot-aware")
+    budget: PolicySelection = _policy("static")
     preemption: PolicySelection = _policy("newest")
     eviction: PolicySelection = _policy("lru")
     admission: PolicySelection = _policy("bounded-queue")

@@ -52,7 +52,7 @@ def test_example_file_loads_and_is_the_one_in_the_docs() -> None:
     assert config.gateway.require_api_key
     assert [t.name for t in config.tenants] == ["chat-frontend", "nightly-jobs"]
     assert [p.role for p in config.models.pools] == ["primary", "fallback"]
-    assert config.policies.budget.name == "tpot-aware"  # the bare-name shorthand
+    assert config.policies.ordering.name == "tiered"  # the bare-name shorthand
     assert config.policies.routing.params == {"prefix_weight": 0.5}
     assert config.anonymous_tenant() is None
     # The documentation embeds the example verbatim, so editing one without the other fails here.
