@@ -1,0 +1,6 @@
+"""Lets this example's tests import ``tierserve_tenant_fair`` from the source tree, uninstalled."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
