@@ -19,18 +19,22 @@ one of the candidates) and raises :class:`PolicyContractError` naming the broken
 The simulated scheduler, step by step (the rules of ``worker/scheduler.py``)::
 
     arrivals due by now join the waiting queue
-    budget  = budget_policy.budget(running, waiting, limits)            # StepBudget
-    running, in ordering.order(running, now): each gets min(its remaining tokens, tokens left) new
-        tokens (a prefill chunk, or 1 for a decode) while tokens and sequences last; the rest wait,
-        keeping their KV. No room in the KV cache: preemption.victim(this request, the running ones
-        not yet served, the ones already served) gives its KV back and waits, to be recomputed from
-        scratch; if the victim is this request, it waits.
-    waiting, in ordering.order(waiting, now), only if nobody was preempted this step: admitted while
-        tokens, sequences (the budget's and the engine's max_num_seqs) and KV last; the first that does
-        not fit stops admission.
+    budget = budget_policy.budget(running, waiting, limits)             # a StepBudget
+    for each request in ordering.order(running + waiting, now), while tokens and sequences last:
+        running: it gets min(its remaining tokens, tokens left) new tokens (its next prefill chunk,
+            or 1 for a decode). No room in the KV cache: preemption.victim(every running request,
+            this one included) gives its KV back and waits, to be recomputed from scratch (tokens it
+            was given this step return to the budget); if the victim is this request, it waits.
+        waiting: skipped once anyone was preempted this step, or while the engine's max_num_seqs
+            requests run; otherwise admitted with min(its tokens, tokens left), unless the KV cache
+            cannot hold them: then no later waiting request is admitted this step (running ones
+            later in the order are still served: they are what frees the cache).
     the step takes cost.step_ms(new tokens, context after the step); the clock advances by that;
-        budget_policy.observe(StepReport(...)); a request whose computed tokens reach its length
-        emits one token (its first one: TTFT); one that has emitted all its tokens finishes.
+    budget_policy.observe(StepReport(...)); a request whose computed tokens reach its length emits
+    one token (its first one: TTFT); one that has emitted all its tokens finishes.
+
+Under ``fcfs`` running requests come before waiting ones (they arrived first), so that is "running
+first"; under ``tiered`` a waiting interactive request goes before running batch decodes.
 
 Simplifications: the KV cache is counted in tokens (no blocks, no prefix cache, so a preempted request
 recomputes its whole context); there is no gateway (no admission control, no shedding).
@@ -197,6 +201,7 @@ class SimSeq:
         "_emitted",
         "_kv_tokens",
         "_preemptions",
+        "_running",
         "_spec",
         "_token_times",
     )
@@ -207,6 +212,7 @@ class SimSeq:
         self._emitted = 0
         self._kv_tokens = 0  # KV slots held: computed tokens plus those allocated for this step
         self._preemptions = 0
+        self._running = False
         self._token_times: list[float] = []
 
     def __repr__(self) -> str:
@@ -484,58 +490,65 @@ class _Simulation:
         limits = self.config.limits
         step_budget = self.budget.budget(tuple(self.running), tuple(self.waiting), limits)
         _check_budget(self.budget, step_budget, limits)
-        tokens_left, seqs_left = step_budget.max_num_tokens, step_budget.max_num_seqs
+        tokens_left = step_budget.max_num_tokens
         scheduled: dict[str, int] = {}
-        served: list[SimSeq] = []
         preempted: list[SimSeq] = []
-
-        queue = _checked_order(self.ordering, self.running, self.now)
-        while queue and tokens_left > 0 and seqs_left > 0:
-            seq = queue.pop(0)
-            num_new = min(seq.num_tokens - seq._computed, tokens_left)
-            while not self._fits(num_new):
-                candidates = [seq, *queue, *served]
-                chosen = self.preemption.victim(tuple(candidates))
-                victim = next((c for c in candidates if c is chosen), None)
-                if victim is None:
-                    raise PolicyContractError(
-                        f"{type(self.preemption).__name__}.victim returned {chosen!r}, not one of its "
-                        f"{len(candidates)} candidates"
-                    )
-                self._preempt(victim, preempted)
-                if victim is seq:
-                    break
-                if victim in queue:
-                    queue.remove(victim)
-                else:
-                    served.remove(victim)
-                    tokens_left += scheduled.pop(victim.request_id)
-                    seqs_left += 1
-            else:
-                self._allocate(seq, num_new)
-                served.append(seq)
-                scheduled[seq.request_id] = num_new
-                tokens_left -= num_new
-                seqs_left -= 1
-
-        if not preempted:  # a preemption means the cache is full: admit nobody this step
-            for seq in _checked_order(self.ordering, self.waiting, self.now):
-                if tokens_left <= 0 or seqs_left <= 0 or len(self.running) >= limits.max_num_seqs:
-                    break
+        admitting = True  # until a waiting request finds the cache full
+        for seq in _checked_order(self.ordering, [*self.running, *self.waiting], self.now):
+            if tokens_left <= 0 or len(scheduled) >= step_budget.max_num_seqs:
+                break
+            if seq._running:
+                tokens_left -= self._serve_running(seq, tokens_left, scheduled, preempted)
+            elif admitting and not preempted:  # a preemption means the cache is full: admit nobody
+                if len(self.running) >= limits.max_num_seqs:
+                    continue  # no sequence slot; a running request later in the order may still go
                 num_new = min(seq.num_tokens - seq._computed, tokens_left)
                 if not self._fits(num_new):
-                    break
+                    # Nobody later in the order is admitted (they would overtake it), but running
+                    # requests still are: they are what frees the cache.
+                    admitting = False
+                    continue
                 self._allocate(seq, num_new)
+                seq._running = True
                 self.waiting.remove(seq)
                 self.running.append(seq)
-                served.append(seq)
                 scheduled[seq.request_id] = num_new
                 tokens_left -= num_new
-                seqs_left -= 1
+        if not scheduled and not preempted:
+            raise RuntimeError(
+                f"the simulated scheduler stalled at t={self.now:.3f}s: nothing scheduled with "
+                f"{len(self.running)} running and {len(self.waiting)} waiting ({self.kv_used} KV tokens used)"
+            )
+        served = [s for s in self.running if s.request_id in scheduled]
         return self._run_step(step_budget, served, scheduled, preempted)
+
+    def _serve_running(
+        self, seq: SimSeq, tokens_left: int, scheduled: dict[str, int], preempted: list[SimSeq]
+    ) -> int:
+        """Give a running request its next tokens, preempting until they fit; the budget used (net of
+        what victims already scheduled this step give back)."""
+        num_new = min(seq.num_tokens - seq._computed, tokens_left)
+        returned = 0
+        while not self._fits(num_new):
+            candidates = list(self.running)
+            chosen = self.preemption.victim(tuple(candidates))
+            victim = next((c for c in candidates if c is chosen), None)
+            if victim is None:
+                raise PolicyContractError(
+                    f"{type(self.preemption).__name__}.victim returned {chosen!r}, not one of its "
+                    f"{len(candidates)} candidates"
+                )
+            self._preempt(victim, preempted)
+            returned += scheduled.pop(victim.request_id, 0)
+            if victim is seq:
+                return -returned
+        self._allocate(seq, num_new)
+        scheduled[seq.request_id] = num_new
+        return num_new - returned
 
     def _preempt(self, seq: SimSeq, preempted: list[SimSeq]) -> None:
         self._free(seq)
+        seq._running = False
         seq._computed = 0
         seq._preemptions += 1
         self.running.remove(seq)
@@ -574,6 +587,7 @@ class _Simulation:
                 seq._token_times.append(self.now)
                 if seq._emitted == seq._spec.num_output_tokens:
                     self._free(seq)
+                    seq._running = False
                     self.running.remove(seq)
                     num_finished += 1
         return num_finished
