@@ -1,0 +1,109 @@
+"""examples/policy-plugin installed for real (pip --target, never into the project venv), then found,
+refused and loaded through the registry in a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PLUGIN = ROOT / "examples" / "policy-plugin"
+
+CHECK = """
+import json
+from policies.registry import PolicyError, available, load_policy
+from policies.testing import SimConfig, SimRequest, simulate
+from wire.tier import DEFAULT_TIERS
+
+out = {}
+spec = available().get("ordering.tenant-fair")
+out["distribution"] = spec and spec.distribution
+try:
+    load_policy("ordering", "tenant-fair")
+except PolicyError as exc:
+    out["refused"] = str(exc)
+try:
+    load_policy("ordering", "tenant-fair", {"output_weight": -1}, allow_plugins=["ordering.tenant-fair"])
+except PolicyError as exc:
+    out["bad_params"] = str(exc)
+allow = ["ordering.tenant-fair"]
+policy = load_policy("ordering", "tenant-fair", {"respect_tiers": "false"}, allow_plugins=allow)
+out["class"] = f"{type(policy).__module__}.{type(policy).__qualname__}"
+out["respect_tiers"] = policy.params.respect_tiers
+standard = DEFAULT_TIERS[1]
+requests = [SimRequest(f"h{i}", i * 0.01, standard, 64, 8, tenant="heavy") for i in range(30)]
+requests.append(SimRequest("light", 0.05, standard, 64, 8, tenant="light"))
+for name, ordering in (("fair", policy), ("fcfs", load_policy("ordering", "fcfs"))):
+    done = simulate(requests, ordering=ordering, config=SimConfig(max_num_seqs=2)).requests
+    light = done["light"].finish_time
+    out[f"{name}_heavy_done_first"] = sum(r.finish_time < light for r in done.values() if r.tenant == "heavy")
+out["service"] = policy.service
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def plugin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example installed with the venv's pip into a private folder (built from a copy, so the
+    source tree gets no build/ or egg-info)."""
+    work = tmp_path_factory.mktemp("plugin")
+    source = work / "src"
+    shutil.copytree(
+        PLUGIN, source, ignore=shutil.ignore_patterns("tests", "__pycache__", "*.egg-info", "build")
+    )
+    target = work / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return target
+
+
+def test_the_installed_plugin_is_found_refused_until_allowed_then_used(plugin_dir: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_dir), str(ROOT)])}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK], env=env, cwd=plugin_dir, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["distribution"] == "tierserve-policy-plugin"
+    assert out["refused"] == (
+        "policies.ordering: 'ordering.tenant-fair' is a plugin from the package 'tierserve-policy-plugin'; "
+        "list it in policies.allow_plugins to load it"
+    )
+    assert out["bad_params"].startswith(
+        "policies.ordering.params: invalid parameters for 'ordering.tenant-fair'"
+    )
+    assert "output_weight" in out["bad_params"]
+    assert out["class"] == "tierserve_tenant_fair.ordering.TenantFair"
+    assert out["respect_tiers"] is False
+    # Two sequences at a time behind a queue of heavy requests: fair lets light in at once.
+    assert out["fair_heavy_done_first"] <= 2 < out["fcfs_heavy_done_first"]
+    assert set(out["service"]) == {"heavy", "light"}
+
+
+def test_the_project_venv_does_not_have_the_plugin() -> None:
+    from policies.registry import available
+
+    assert "ordering.tenant-fair" not in available()
