@@ -205,7 +205,12 @@ class _Run:
                 request_id = f"{job.renderer.request_id}-{choice.index}" if many else job.renderer.request_id
                 streams.append(
                     await self.gateway.dispatcher.submit(
-                        job.model, request_id, choice.prompt_ids, choice.sampling, job.identity.tier
+                        job.model,
+                        request_id,
+                        choice.prompt_ids,
+                        choice.sampling,
+                        job.identity.tier,
+                        tenant=job.identity.tenant.name,
                     )
                 )
         except BaseException as exc:

@@ -180,6 +180,7 @@ class Dispatcher:
         tier: Tier,
         cache_salt: str | None = None,
         trace_context: Mapping[str, str] | None = None,
+        tenant: str | None = None,
     ) -> RequestStream:
         """Send the request to the least-loaded ready worker of ``model``; :class:`NoWorkerAvailable` if
         there is none (or every one we tried turned out to be gone)."""
@@ -194,6 +195,7 @@ class Dispatcher:
             sampling=sampling,
             tier=tier,
             cache_salt=cache_salt,
+            tenant=tenant,
             trace_context=dict(trace_context or {}),
             arrival_time=time.time(),
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -31,6 +32,8 @@ from gateway.dispatch import Dispatcher
 from gateway.state import Gateway
 from gateway.tokenizer import PromptBuilder
 from gateway.workers import WorkerState
+from policies.base import PolicyKind
+from policies.registry import load_policy
 from wire.config import ServerConfig
 
 WORKER_STOP_TIMEOUT_S = 10.0
@@ -157,6 +160,27 @@ async def _wait_for_workers(
     return True
 
 
+WORKER_POLICY_KINDS: tuple[PolicyKind, ...] = ("ordering", "budget", "preemption", "eviction")
+
+
+def check_policies(config: ServerConfig) -> None:
+    """Load every policy the config selects, here, before any process starts: a plugin that is missing,
+    not allowed, broken or given bad params stops startup with PolicyError naming it."""
+    for kind in WORKER_POLICY_KINDS:
+        selection = getattr(config.policies, kind)
+        load_policy(kind, selection.name, selection.params, allow_plugins=config.policies.allow_plugins)
+
+
+def policies_arg(config: ServerConfig) -> list[str]:
+    """The worker kinds of the config's [policies], as the worker's --policies JSON."""
+    chosen: dict[str, object] = {
+        kind: {"name": getattr(config.policies, kind).name, "params": getattr(config.policies, kind).params}
+        for kind in WORKER_POLICY_KINDS
+    }
+    chosen["allow_plugins"] = list(config.policies.allow_plugins)
+    return ["--policies", json.dumps(chosen)]
+
+
 def pool_args(config: ServerConfig) -> list[str]:
     """The engine settings of the config's first primary pool, as worker flags (``worker_args`` given
     after them win, argparse keeping the last)."""
@@ -172,7 +196,8 @@ def pool_args(config: ServerConfig) -> list[str]:
 def _spawn(address: str, index: int, options: ServeOptions) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "worker.cli", "worker", "--connect", address,
-        "--worker-id", f"{options.model_name}-{index}", *pool_args(options.config), *options.worker_args,
+        "--worker-id", f"{options.model_name}-{index}", *pool_args(options.config),
+        *policies_arg(options.config), *options.worker_args,
     ]  # fmt: skip
     return subprocess.Popen(command, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 

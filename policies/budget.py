@@ -29,40 +29,58 @@ class Static:
         pass
 
 
+TOKEN_SCALE = 256.0  # features are fitted in these units, so all three are of order 1
+CONTEXT_SCALE = 16384.0
+
+
 class StepTimeModel:
     """Step time ≈ fixed + per_token · new tokens + per_context · context tokens attended, in ms.
 
     Fitted online by recursive least squares with exponential forgetting (recent steps weigh more, so
-    the model follows the machine's load), starting from a prior. Coefficients are kept non-negative.
+    the model follows the machine's load), starting from a prior. Numerically careful, because a
+    worker feeds it every step for days: features are scaled to order 1, the covariance update is
+    the symmetric form, and the covariance is scaled back whenever forgetting inflates it past its
+    initial size (steady load repeats one kind of step, which would otherwise wind it up without
+    bound). Coefficients are clipped at zero when read, never in the fit itself.
     """
 
-    __slots__ = ("_forget", "_p", "theta")
+    __slots__ = ("_forget", "_max_trace", "_p", "_theta")
 
     def __init__(
-        self, prior: tuple[float, float, float], forget: float = 0.98, confidence: float = 10.0
+        self, prior: tuple[float, float, float], forget: float = 0.98, confidence: float = 100.0
     ) -> None:
-        self.theta = list(prior)
+        a, b, c = prior
+        self._theta = [a, b * TOKEN_SCALE, c * CONTEXT_SCALE]
         self._forget = forget
-        # Covariance of the estimate: small = trust the prior. Scaled per column to its units.
         self._p = [[confidence if i == j else 0.0 for j in range(3)] for i in range(3)]
-        self._p[1][1] = confidence * 1e-4
-        self._p[2][2] = confidence * 1e-7
+        self._max_trace = 3 * confidence
+
+    @property
+    def theta(self) -> tuple[float, float, float]:
+        """(fixed ms, ms per new token, ms per context token), each at least 0."""
+        a, b, c = (max(0.0, t) for t in self._theta)
+        return a, b / TOKEN_SCALE, c / CONTEXT_SCALE
 
     def predict(self, num_tokens: float, num_context: float) -> float:
         a, b, c = self.theta
         return a + b * num_tokens + c * num_context
 
     def update(self, num_tokens: float, num_context: float, elapsed_ms: float) -> None:
-        x = (1.0, float(num_tokens), float(num_context))
+        if not math.isfinite(elapsed_ms):
+            return
+        x = (1.0, num_tokens / TOKEN_SCALE, num_context / CONTEXT_SCALE)
         p = self._p
         px = [sum(p[i][j] * x[j] for j in range(3)) for i in range(3)]
         denominator = self._forget + sum(x[i] * px[i] for i in range(3))
-        if not denominator > 0 or not math.isfinite(elapsed_ms):
+        if not denominator > 0:
             return
-        gain = [v / denominator for v in px]
-        error = elapsed_ms - self.predict(num_tokens, num_context)
-        self.theta = [max(0.0, t + g * error) for t, g in zip(self.theta, gain, strict=True)]
-        self._p = [[(p[i][j] - gain[i] * px[j]) / self._forget for j in range(3)] for i in range(3)]
+        error = elapsed_ms - sum(t * xi for t, xi in zip(self._theta, x, strict=True))
+        self._theta = [t + v / denominator * error for t, v in zip(self._theta, px, strict=True)]
+        p = [[(p[i][j] - px[i] * px[j] / denominator) / self._forget for j in range(3)] for i in range(3)]
+        trace = p[0][0] + p[1][1] + p[2][2]
+        if trace > self._max_trace:
+            p = [[v * self._max_trace / trace for v in row] for row in p]
+        self._p = p
 
 
 class SloBudgetParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -107,7 +125,7 @@ class SloBudget:
         context = sum(r.num_tokens for r in running)
         room = target - a - c * context
         num_tokens = int(room / b) if b > 0 else limits.max_num_batched_tokens
-        num_tokens = max(self.params.min_tokens, min(num_tokens, limits.max_num_batched_tokens))
+        num_tokens = min(max(self.params.min_tokens, num_tokens), limits.max_num_batched_tokens)
         return StepBudget(num_tokens, limits.max_num_seqs)
 
     def observe(self, report: StepReport) -> None:

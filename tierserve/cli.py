@@ -60,14 +60,16 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.serve import ServeOptions, serve
+    from gateway.serve import ServeOptions, check_policies, serve
     from gateway.tokenizer import BytePromptBuilder, HFPromptBuilder, PromptBuilder
+    from policies.registry import PolicyError
     from wire.config import ConfigError, load_config
     from worker.models.store import ModelNotFoundError, resolve_model
 
     try:
         config = load_config(args.config)
-    except ConfigError as exc:
+        check_policies(config)
+    except (ConfigError, PolicyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     builder: PromptBuilder

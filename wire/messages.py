@@ -169,6 +169,7 @@ class Submit(_Message, tag="submit", frozen=True, kw_only=True):
     sampling: SamplingParams
     tier: Tier
     cache_salt: Id | None = None  # from the tenant: isolates prefix caches (wire.block_hash)
+    tenant: Id | None = None  # who asked (fairness policies); never client-chosen
     trace_context: Annotated[dict[TraceKey, TraceValue], msgspec.Meta(max_length=MAX_TRACE_ENTRIES)] = {}
     arrival_time: float  # wall-clock at the gateway, for queue-time metrics and deadlines
 

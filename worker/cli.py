@@ -7,6 +7,7 @@ sides; ``python -m worker.cli worker`` is how the gateway starts its worker proc
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -14,8 +15,10 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from policies.registry import PolicyError
 from wire.errors import InvalidRequestError
 from wire.sampling import SamplingParams
+from worker.policy_set import WorkerPolicies
 
 if TYPE_CHECKING:
     from worker.config import EngineConfig
@@ -58,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
     worker.add_argument("--mock", action="store_true", help="a simulated model: no weights, timed steps")
     worker.add_argument("--mock-step-ms", type=float, default=5.0, help="with --mock: fixed time per step")
+    worker.add_argument(
+        "--policies",
+        default=None,
+        metavar="JSON",
+        help='worker policies: {"ordering": {"name": "tiered", "params": {}}, ..., "allow_plugins": [...]}',
+    )
     worker.add_argument("-v", "--verbose", action="store_true")
     _add_engine_args(worker)
 
@@ -97,13 +106,19 @@ def _worker(args: argparse.Namespace) -> int:
         print("error: --heartbeat-interval must be positive", file=sys.stderr)
         return 2
     config = _engine_config(args)
+    try:
+        policies = _policies(args.policies)
+    except (ValueError, PolicyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     engine: Engine
     if args.mock:
         from worker.mock import MockCost, build_mock_engine  # lazy: torch-free tests never load it
 
-        engine = build_mock_engine(config, MockCost(fixed_ms=args.mock_step_ms))
+        engine = build_mock_engine(config, MockCost(fixed_ms=args.mock_step_ms), policies=policies)
     else:
-        engine = Engine.from_config(config)
+        engine = Engine.from_config(config, policies)
+    logging.getLogger(__name__).info("policies: %s", engine.policies.describe())
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     daemon = WorkerDaemon(
         engine,
@@ -113,6 +128,20 @@ def _worker(args: argparse.Namespace) -> int:
         model_name="mock" if args.mock else None,
     )
     return daemon.run()
+
+
+def _policies(text: str | None) -> WorkerPolicies:
+    """``--policies`` JSON (what ``serve`` passes from the config's [policies]) → the worker's set."""
+    if not text:
+        return WorkerPolicies.baseline()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--policies: not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--policies: expected a JSON object")
+    allow = raw.pop("allow_plugins", [])
+    return WorkerPolicies.load(raw, allow_plugins=allow)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -192,8 +192,9 @@ class WorkerDaemon:
                 [*submit.prompt_token_ids, *submit.resumed_token_ids],
                 sampling,
                 request_id=submit.request_id,
-                tier=TierRef(submit.tier.name, submit.tier.rank),
+                tier=TierRef(submit.tier.name, submit.tier.rank, submit.tier.ttft_ms, submit.tier.tpot_ms),
                 cache_salt=submit.cache_salt,
+                tenant=submit.tenant,
             )
         except InvalidRequestError as exc:
             self._reject(submit, 400, exc.field, exc.message)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,10 +24,10 @@ from worker.model_runner import StepRunner, build_model_runner
 from worker.models.config import ModelConfig
 from worker.models.store import resolve_model
 from worker.outputs import Completion, RequestOutput
+from worker.policy_set import WorkerPolicies
 from worker.request import FinishReason, Request, TierRef
 from worker.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
 from worker.scheduler import Scheduler, SchedulerConfig
-from worker.scheduling_policy import SchedulingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +51,19 @@ class Engine:
         runner: StepRunner,
         model_config: ModelConfig,
         num_kv_blocks: int,
-        policy: SchedulingPolicy | None = None,
+        policies: WorkerPolicies | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.runner = runner
         self.model_config = model_config
         self.max_model_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 30)
-        self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.policies = policies or WorkerPolicies.baseline()
+        self.kv_cache = KVCacheManager(
+            num_kv_blocks, config.block_size, config.enable_prefix_caching, self.policies.eviction
+        )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.kv_cache, policy
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.kv_cache, self.policies
         )
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | _tokenizer_eos(tokenizer)
@@ -67,7 +71,7 @@ class Engine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, policy: SchedulingPolicy | None = None) -> Engine:
+    def from_config(cls, config: EngineConfig, policies: WorkerPolicies | None = None) -> Engine:
         """Load the model named by ``config.model`` (a folder, or the embedded default) and its tokenizer."""
         from transformers import AutoTokenizer
 
@@ -76,7 +80,7 @@ class Engine:
         model_path = resolve_model(config.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         runner, model_config, num_blocks = build_model_runner(config, model_path)
-        return cls(config, tokenizer, runner, model_config, num_blocks, policy)
+        return cls(config, tokenizer, runner, model_config, num_blocks, policies)
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -88,6 +92,7 @@ class Engine:
         request_id: str | None = None,
         tier: TierRef | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> str:
         """Validate and queue a request; raises :class:`InvalidRequestError` naming the bad field."""
         prompt_ids = (
@@ -115,6 +120,7 @@ class Engine:
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             tier=tier or TierRef(),
             cache_salt=cache_salt,
+            tenant=tenant,
         )
         try:
             self.scheduler.add(request)
@@ -139,6 +145,7 @@ class Engine:
     # ---- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -150,6 +157,7 @@ class Engine:
             return [self._finish(r, FinishReason.ERROR, error="internal error") for r in out.scheduled]
         self.scheduler.on_step_done(out)
         if not requests:
+            self.scheduler.report_step(out, (time.perf_counter() - start) * 1e3)
             return []
         states = [self._states[r.request_id] for r in requests]
         rows = [
@@ -157,12 +165,15 @@ class Engine:
             for r, s in zip(requests, states, strict=True)
         ]
         sampled = self.sampler(logits, rows)
-        return [
+        outputs = [
             self._process_token(state, token_id, token_logprobs)
             for state, token_id, token_logprobs in zip(
                 states, sampled.token_ids, sampled.logprobs, strict=True
             )
         ]
+        # The whole step, as a stream sees it between two tokens: what the budget policy learns from.
+        self.scheduler.report_step(out, (time.perf_counter() - start) * 1e3)
+        return outputs
 
     def _process_token(
         self, state: _RequestState, token_id: int, logprobs: TokenLogprobs | None

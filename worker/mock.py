@@ -28,9 +28,9 @@ from wire.byte_tokenizer import BOS_ID, BYTE_OFFSET, EOS_ID, VOCAB_SIZE, ByteTok
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.models.config import ModelConfig
+from worker.policy_set import WorkerPolicies
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
-from worker.scheduling_policy import SchedulingPolicy
 
 __all__ = [
     "BOS_ID",
@@ -200,7 +200,7 @@ def build_mock_engine(
     num_kv_blocks: int = 512,
     max_model_len: int = 4096,
     model: MockModel | None = None,
-    policy: SchedulingPolicy | None = None,
+    policies: WorkerPolicies | None = None,
 ) -> Engine:
     """An Engine over :class:`MockRunner`; ``config.num_kv_blocks``, when set, wins over ``num_kv_blocks``."""
     runner = MockRunner(config.block_size, model or MockModel(), cost or MockCost())
@@ -210,5 +210,5 @@ def build_mock_engine(
         runner,
         mock_model_config(max_model_len),
         config.num_kv_blocks or num_kv_blocks,
-        policy,
+        policies,
     )

@@ -26,10 +26,12 @@ class FinishReason(enum.Enum):
 
 @dataclass(slots=True, frozen=True)
 class TierRef:
-    """The SLA tier a request runs under; rank 0 is the most urgent."""
+    """The SLA tier a request runs under; rank 0 is the most urgent; None targets mean none."""
 
     name: str = "standard"
     rank: int = 1
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
 
 
 @dataclass(slots=True)
@@ -47,6 +49,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     tier: TierRef = field(default_factory=TierRef)
     cache_salt: str | None = None
+    tenant: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -74,6 +77,25 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    # ---- what policies see (policies.base.SeqView) ----
+
+    @property
+    def tier_name(self) -> str:
+        return self.tier.name
+
+    @property
+    def tier_rank(self) -> int:
+        return self.tier.rank
+
+    @property
+    def tpot_ms(self) -> float | None:
+        return self.tier.tpot_ms
+
+    @property
+    def ttft_deadline(self) -> float | None:
+        ttft_ms = self.tier.ttft_ms
+        return None if ttft_ms is None else self.arrival_time + ttft_ms / 1e3
 
     @property
     def is_finished(self) -> bool:

@@ -1,20 +1,33 @@
-"""One scheduling model for prefill and decode.
+"""One scheduling model for prefill and decode, steered by the worker's policies.
 
 Every request has ``num_computed_tokens`` and ``num_tokens``; a step gives some requests
 ``num_new_tokens`` each under a token budget, so a long prompt is prefilled in chunks while
-other requests keep decoding in the same step. Running requests go first; when the KV cache
-is full a victim chosen by the policy is preempted (its blocks freed, full ones stay cached)
-and recomputed later. Pure Python: no torch.
+other requests keep decoding in the same step. Each step:
+
+  1. the budget policy sizes the step (tokens, sequences), never above the configured ceilings;
+  2. the ordering policy orders running and waiting requests together; in that order a running
+     request gets its next tokens (its decode, or its next prefill chunk) and a waiting one is
+     admitted (prefix hits first) while blocks and budget last; requests that do not fit wait, a
+     running one keeping its KV;
+  3. when a running request needs a block and none is free, the preemption policy picks a victim
+     among the running (possibly the request itself): its blocks are freed (full ones stay cached)
+     and it is recomputed later; once anyone was preempted, nobody else is admitted this step.
+
+Under ``fcfs`` running requests arrived before waiting ones (but for the preempted), so this is
+"running first"; under ``tiered`` a waiting interactive request goes before running batch decodes,
+which is how the budget goes to the urgent tier first. Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from policies.base import StepLimits, StepReport
 from worker.kv_cache import KVCacheManager
+from worker.policy_set import WorkerPolicies
 from worker.request import FinishReason, Request, RequestStatus
-from worker.scheduling_policy import FcfsPolicy, SchedulingPolicy
 
 
 @dataclass(slots=True)
@@ -55,11 +68,11 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
-        policy: SchedulingPolicy | None = None,
+        policies: WorkerPolicies | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.policy: SchedulingPolicy = policy or FcfsPolicy()
+        self.policies = policies or WorkerPolicies.baseline()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -84,58 +97,63 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled_running: list[Request] = []
-
-        # Running requests first: they hold KV already; starving them wastes it.
-        queue = deque(self.running)
-        while queue and budget > 0:
-            request = queue.popleft()
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
-                # The policy picks among everyone running, this request included: it may be the victim.
-                victim = self.policy.choose_victim([request, *queue, *scheduled_running])
-                self._preempt(victim, out)
-                if victim is request:
-                    break
-                if victim in queue:
-                    queue.remove(victim)
-                else:
-                    scheduled_running.remove(victim)
-                    budget += out.num_scheduled_tokens.pop(victim.request_id)
-            else:
-                scheduled_running.append(request)
-                out.num_scheduled_tokens[request.request_id] = num_new
+        limits = StepLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        step = self.policies.budget.budget(self.running, self.waiting, limits)
+        budget = max(1, min(step.max_num_tokens, limits.max_num_batched_tokens))
+        max_seqs = max(1, min(step.max_num_seqs, limits.max_num_seqs))
+        admitting = True
+        for view in self.policies.ordering.order([*self.running, *self.waiting], time.monotonic()):
+            request = self.requests[view.request_id]
+            if budget <= 0 or len(out.num_scheduled_tokens) >= max_seqs:
+                break
+            if request.status is RequestStatus.RUNNING:
+                budget -= self._schedule_running(request, budget, out)
+            elif admitting and not out.preempted and request.status is not RequestStatus.FINISHED:
+                num_new = self._admit(request, budget, out)
+                if num_new is None:
+                    # Blocks ran out: nobody later in the order is admitted either, but running
+                    # requests still get their tokens (they are what frees blocks).
+                    admitting = False
+                    continue
                 budget -= num_new
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
-
-        # Admit waiting requests only when nobody was preempted: a preemption means the cache is full.
-        if not out.preempted:
-            self._admit_waiting(out, budget)
-
         scheduled = [r for r in self.running if r.request_id in out.num_scheduled_tokens]
         out.scheduled = sorted(scheduled, key=lambda r: out.num_scheduled_tokens[r.request_id] != 1)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        admitted: list[Request] = []
-        for request in self.policy.order_waiting(list(self.waiting)):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            hits = self.kv_cache.get_computed_blocks(request)
-            num_new = request.num_tokens - request.num_computed_tokens - len(hits) * self.kv_cache.block_size
-            num_new = min(num_new, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, hits):
-                break
-            if request.status is RequestStatus.WAITING:
-                request.num_cached_tokens = len(hits) * self.kv_cache.block_size
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            admitted.append(request)
-            out.num_scheduled_tokens[request.request_id] = num_new
-            budget -= num_new
-        for request in admitted:
-            self.waiting.remove(request)
+    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Give a running request its next tokens, preempting until its blocks fit; the tokens used
+        (net of budget given back by victims that were already scheduled this step)."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        returned = 0
+        while not self.kv_cache.allocate_slots(request, num_new):
+            candidates = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            victim = self.requests[self.policies.preemption.victim(candidates).request_id]
+            assert victim in candidates, f"the preemption policy chose {victim.request_id}, not running"
+            self._preempt(victim, out)
+            returned += out.num_scheduled_tokens.pop(victim.request_id, 0)
+            if victim is request:
+                return -returned
+        out.num_scheduled_tokens[request.request_id] = num_new
+        return num_new - returned
+
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Admit a waiting request with its prefix hits; the tokens scheduled, 0 if it must wait for a
+        sequence slot, None if the blocks ran out."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return 0
+        hits = self.kv_cache.get_computed_blocks(request)
+        num_new = request.num_tokens - request.num_computed_tokens - len(hits) * self.kv_cache.block_size
+        num_new = min(num_new, budget)
+        if not self.kv_cache.allocate_slots(request, num_new, hits):
+            return None
+        if request.status is RequestStatus.WAITING:
+            request.num_cached_tokens = len(hits) * self.kv_cache.block_size
+        request.status = RequestStatus.RUNNING
+        self.waiting.remove(request)
+        self.running.append(request)
+        out.num_scheduled_tokens[request.request_id] = num_new
+        return num_new
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(request)
@@ -151,6 +169,13 @@ class Scheduler:
         for request in out.scheduled:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
             self.kv_cache.cache_computed_blocks(request)
+
+    def report_step(self, out: SchedulerOutput, elapsed_ms: float) -> None:
+        """Tell the budget policy what a finished step cost."""
+        num_context = sum(r.num_computed_tokens for r in out.scheduled)
+        self.policies.budget.observe(
+            StepReport(out.total_num_tokens, len(out.scheduled), num_context, elapsed_ms)
+        )
 
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:
         """Remove a request (finished or aborted) and free its blocks; unknown ids are ignored."""

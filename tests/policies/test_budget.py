@@ -66,11 +66,6 @@ def test_slo_budget_stays_within_the_limits_and_min_tokens(
     assert 1 <= budget.max_num_seqs <= max_seqs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="policies/budget.py: SloBudget returns min_tokens even when it is above "
-    "max_num_batched_tokens, breaking the Protocol's limit",
-)
 def test_slo_budget_never_exceeds_a_limit_below_min_tokens() -> None:
     policy = SloBudget(SloBudgetParams(min_tokens=8))
     running = [View("r", tpot_ms=1.0, num_prompt_tokens=10_000)]
@@ -113,12 +108,6 @@ def test_slo_budget_follows_its_model_and_shrinks_as_context_grows() -> None:
 
 
 TRUE_COST = CostModel(fixed_ms=4.0, per_token_ms=0.3, per_context_token_ms=0.002)
-RLS_DIVERGES = pytest.mark.xfail(
-    strict=True,
-    reason="policies/budget.py StepTimeModel: the covariance update P - g·pxᵀ is not symmetric in floating "
-    "point and P winds up under forgetting when the steps look alike; P turns indefinite and theta "
-    "runs off to 1e22 or inf (a symmetric update on scaled features with a bounded trace fixes it)",
-)
 
 
 def fit(model: StepTimeModel, num_reports: int, *, seed: int, steady: bool = False) -> None:
@@ -138,8 +127,10 @@ def assert_close_to_true_cost(model: StepTimeModel) -> None:
     assert b == pytest.approx(0.3, rel=0.05)
     assert c == pytest.approx(0.002, rel=0.05)
     for tokens, context in ((1, 1000), (64, 20_000), (1024, 50_000)):
+        # 10%, or 1.5 ms for the tiniest step: with 3% noise and a ~50-step memory the intercept
+        # wanders by about a millisecond.
         assert model.predict(tokens, context) == pytest.approx(
-            TRUE_COST.mean_step_ms(tokens, context), rel=0.1
+            TRUE_COST.mean_step_ms(tokens, context), rel=0.1, abs=1.5
         )
 
 
@@ -149,14 +140,12 @@ def test_step_time_model_converges_to_a_linear_cost_from_noisy_reports() -> None
     assert_close_to_true_cost(model)
 
 
-@RLS_DIVERGES
 def test_step_time_model_stays_converged_over_thousands_of_reports() -> None:
     model = StepTimeModel(prior=(10.0, 0.5, 0.0005), forget=0.98)
     fit(model, 3000, seed=3)
     assert_close_to_true_cost(model)
 
 
-@RLS_DIVERGES
 def test_step_time_model_stays_accurate_under_a_steady_decode_load() -> None:
     model = StepTimeModel(prior=(10.0, 0.5, 0.0005), forget=0.98)
     fit(model, 2000, seed=3, steady=True)

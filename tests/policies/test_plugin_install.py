@@ -48,11 +48,9 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def plugin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The example installed with the venv's pip into a private folder (built from a copy, so the
-    source tree gets no build/ or egg-info)."""
-    work = tmp_path_factory.mktemp("plugin")
+def install_example_plugin(work: Path) -> Path:
+    """The example installed with the venv's pip into ``work/site`` (built from a copy, so the source
+    tree gets no build/ or egg-info); put the returned folder on PYTHONPATH to use it."""
     source = work / "src"
     shutil.copytree(
         PLUGIN, source, ignore=shutil.ignore_patterns("tests", "__pycache__", "*.egg-info", "build")
@@ -78,6 +76,11 @@ def plugin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=120,
     )
     return target
+
+
+@pytest.fixture(scope="module")
+def plugin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return install_example_plugin(tmp_path_factory.mktemp("plugin"))
 
 
 def test_the_installed_plugin_is_found_refused_until_allowed_then_used(plugin_dir: Path) -> None:

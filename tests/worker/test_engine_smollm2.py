@@ -18,10 +18,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from policies.budget import SloBudget, SloBudgetParams
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.models.store import pull_default_model
+from worker.policy_set import WorkerPolicies
+from worker.request import TierRef
 
 pytestmark = pytest.mark.slow
 
@@ -203,3 +206,30 @@ def test_preemption_does_not_change_output(model_path, prompt_ids, references) -
     ours, engine = run_engine(model_path, prompt_ids, together=True, num_kv_blocks=num_blocks)
     assert engine.scheduler.num_preemptions > 0
     assert_matches(ours, references)
+
+
+def test_tiered_policies_preempting_and_evicting_do_not_change_output(
+    model_path, prompt_ids, references
+) -> None:  # type: ignore[no-untyped-def]
+    """The tier-aware policy set, with a step budget that holds back the batch tier and a cache small
+    enough to force preemption by recompute and eviction of cached blocks: greedy output unchanged."""
+    longest = max(len(i) for i in prompt_ids) + NEW_TOKENS
+    num_blocks = -(-longest // 16) + 12
+    policies = WorkerPolicies.tiered()
+    policies.budget = SloBudget(SloBudgetParams(min_tokens=16, per_token_ms=2.0))  # a budget that bites
+    engine = Engine.from_config(
+        EngineConfig(model=str(model_path), dtype="float32", num_kv_blocks=num_blocks), policies
+    )
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP)
+    tiers = [TierRef("interactive", 0, ttft_ms=1000.0, tpot_ms=100.0), TierRef("batch", 2)]
+    ids = [engine.add_request(p, params, tier=tiers[i % 2]) for i, p in enumerate(prompt_ids)]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    top: dict[str, list[list[int]]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+            top[output.request_id] += [[t for t, _ in lp.top] for lp in output.logprobs]
+    engine.kv_cache.check_integrity()
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_cache.pool.num_evictions > 0
+    assert_matches([Reference(tokens[i], top[i]) for i in ids], references)

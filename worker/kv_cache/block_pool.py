@@ -1,21 +1,26 @@
-"""The block pool: ref counts, an O(1) LRU free list and the hash → block map.
+"""The block pool: ref counts, O(1) LRU free lists and the hash → block map.
 
 A block is in exactly one of three states:
 
     in use   ref_count > 0                     (owned by one or more running requests)
-    cached   ref_count == 0, block_hash set    (in the free list, reusable on a prefix hit)
-    free     ref_count == 0, no hash           (in the free list)
+    cached   ref_count == 0, block_hash set    (in its tier's cached list, reusable on a prefix hit)
+    free     ref_count == 0, no hash           (in the uncached list)
 
-The free list is ordered least recently freed first. Allocation pops from the head, evicting
-the cached block found there; a prefix hit pulls a cached block out of the middle in O(1),
-which is why the list is intrusive (each block carries its own links).
+Allocation takes an uncached block while there is one (evicting nothing); otherwise it evicts a
+cached one: the eviction policy (policies/eviction.py) picks among the least recently freed cached
+block of each tier (by the rank of the request that last freed it). Each list is ordered least
+recently freed first; a prefix hit pulls a cached block out of the middle in O(1), which is why the
+lists are intrusive (each block carries its own links).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from policies.base import EvictionCandidate, EvictionPolicy, NoParams
+from policies.eviction import Lru
 from wire.block_hash import BlockHash
 
 
@@ -24,6 +29,8 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
+    tier_rank: int = 0  # of the request that last freed it: which cached list it waits in
+    last_used: float = 0.0  # monotonic time it was last freed
     prev: KVBlock | None = None
     next: KVBlock | None = None
 
@@ -76,53 +83,94 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self.num_blocks
 
+    def head(self) -> KVBlock | None:
+        block = self._head.next
+        return None if block is self._tail else block
+
 
 class BlockPool:
     """Owns every block and the prefix-cache index. Knows nothing about requests."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        eviction: EvictionPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.eviction: EvictionPolicy = eviction or Lru(NoParams())
+        self._clock = clock
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.uncached = FreeBlockQueue(self.blocks)
+        self.cached_lists: dict[int, FreeBlockQueue] = {}  # tier rank → its free cached blocks
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks allocatable now: truly free plus cached-but-unreferenced."""
-        return len(self.free_queue)
+        return len(self.uncached) + sum(len(q) for q in self.cached_lists.values())
+
+    def _list_of(self, block: KVBlock) -> FreeBlockQueue:
+        if block.block_hash is None:
+            return self.uncached
+        queue = self.cached_lists.get(block.tier_rank)
+        if queue is None:
+            queue = self.cached_lists[block.tier_rank] = FreeBlockQueue(())
+        return queue
+
+    def free_blocks(self) -> Iterator[KVBlock]:
+        """Every block with no reference: the uncached ones, then each tier's cached ones."""
+        yield from self.uncached
+        for queue in self.cached_lists.values():
+            yield from queue
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on prefix-hit blocks, pulling unreferenced ones off the free list."""
+        """Take a reference on prefix-hit blocks, pulling unreferenced ones off their free list."""
         for block in blocks:
             if block.ref_count == 0:
-                self.free_queue.remove(block)
+                self._list_of(block).remove(block)
             block.ref_count += 1
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
-        if num_blocks > len(self.free_queue):
-            raise ValueError(f"asked for {num_blocks} blocks, {len(self.free_queue)} free")
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         allocated = []
         for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+            block = self._take()
             self._evict(block)
             block.ref_count = 1
             allocated.append(block)
         return allocated
 
-    def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference each; pass a request's blocks tail first so its tail is evicted first."""
+    def _take(self) -> KVBlock:
+        """An uncached block if any; else the cached block the eviction policy picks among the
+        least recently freed of each tier."""
+        if len(self.uncached):
+            return self.uncached.popleft()
+        heads = [(rank, q.head()) for rank, q in self.cached_lists.items() if len(q)]
+        candidates = [EvictionCandidate(rank, block.last_used) for rank, block in heads if block is not None]
+        choice = self.eviction.choose(candidates, self._clock()) if len(candidates) > 1 else 0
+        return self.cached_lists[candidates[choice].tier_rank].popleft()
+
+    def free(self, blocks: Iterable[KVBlock], tier_rank: int = 0) -> None:
+        """Drop one reference each; pass a request's blocks tail first so its tail is evicted first.
+        ``tier_rank``: the freeing request's tier, which decides how long a cached block is kept."""
+        now = self._clock()
         for block in blocks:
             assert block.ref_count > 0, f"double free of {block}"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_queue.append(block)
+                block.tier_rank = tier_rank
+                block.last_used = now
+                self._list_of(block).append(block)
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full, computed block under its hash (first writer wins on duplicates)."""
@@ -143,15 +191,19 @@ class BlockPool:
     def counts(self) -> tuple[int, int, int]:
         """(free, in use, cached) block counts."""
         in_use = sum(1 for b in self.blocks if b.ref_count > 0)
-        cached = sum(1 for b in self.free_queue if b.block_hash is not None)
-        return len(self.free_queue) - cached, in_use, cached
+        cached = self.num_free_blocks - len(self.uncached)
+        return len(self.uncached), in_use, cached
 
     def check_integrity(self) -> None:
         """Assert the pool's invariants; cheap enough for tests, not for every step."""
         free, in_use, cached = self.counts()
         assert free + in_use + cached == self.num_blocks, (free, in_use, cached, self.num_blocks)
-        in_queue = {id(b) for b in self.free_queue}
-        assert len(in_queue) == len(self.free_queue), "a block is in the free list twice"
+        listed = list(self.free_blocks())
+        in_queue = {id(b) for b in listed}
+        assert len(in_queue) == len(listed), "a block is in the free lists twice"
+        assert all(b.block_hash is None for b in self.uncached), "a cached block in the uncached list"
+        for rank, queue in self.cached_lists.items():
+            assert all(b.block_hash is not None and b.tier_rank == rank for b in queue), f"tier {rank} list"
         for block in self.blocks:
             assert block.ref_count >= 0, block
             assert (block.ref_count == 0) == (id(block) in in_queue), f"{block} ref/free-list mismatch"

@@ -11,16 +11,23 @@ pool cannot hold the step), so the scheduler never leaves a request half allocat
 
 from __future__ import annotations
 
+from policies.base import EvictionPolicy
 from wire.block_hash import hash_blocks
 from worker.kv_cache.block_pool import BlockPool, KVBlock
 from worker.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        eviction: EvictionPolicy | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, eviction=eviction)
         # Blocks owned per request, in block-table order; Request.block_ids mirrors the ids.
         self._blocks: dict[str, list[KVBlock]] = {}
         self.num_prefix_queries = 0
@@ -106,7 +113,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first; full computed blocks stay cached."""
         owned = self._blocks.pop(request.request_id, [])
-        self.pool.free(reversed(owned))
+        self.pool.free(reversed(owned), request.tier.rank)
         request.block_ids = []
 
     def check_integrity(self) -> None:
