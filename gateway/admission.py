@@ -1,19 +1,18 @@
-"""Admission: per-tier bounded queues in front of the workers, and 429 when one is full.
+"""Admission: seats, per-tier bounded queues in front of the workers, and 429 with a Retry-After.
 
-    request ─▶ Admission(model).admit(tier, seats)
-                 ├─ a free seat, nobody more urgent waiting ─▶ go now
-                 ├─ its tier's queue has room ─────────────▶ wait (most urgent tier served first,
-                 │                                            FIFO within a tier)
-                 └─ otherwise ─────────────────────────────▶ Shed: 429, Retry-After from the drain rate
+    request ─▶ Admission(model).admit(tier, seats) ─▶ the admission policy decides (policies/admission.py)
+                 ├─ admit ─▶ go now
+                 ├─ queue ─▶ wait in the tier's queue (most urgent tier served first, FIFO within a tier)
+                 └─ shed ──▶ Shed: 429, Retry-After from the drain rate
+
+This module is the mechanism; the built-in ``bounded-queue`` policy admits while there are seats and
+nobody is ahead, queues while the tier's queue has room, and sheds when it is full, when the expected
+wait passes the tier's ``max_wait_s``, or (sheddable tiers) while anything more urgent waits.
 
 A *seat* is one sequence running or waiting on a worker. The fleet has ``capacity()`` of them (the ready
 workers' ``max_num_seqs`` times ``gateway.max_in_flight_factor``: a little more than they run at once,
 so each worker's own scheduler always has the next request at hand). A request with ``n`` choices takes
 ``n`` seats; it gets them all at once or waits.
-
-Sheddable tiers go first: while anything more urgent is waiting, a request of a sheddable tier is
-refused at once instead of queued, so batch traffic never sits in front of the queue an interactive
-user is in. Non-sheddable tiers are refused only when their own queue is full.
 
 Retry-After is the time the queue ahead of the caller would take to drain at the rate seats were
 released over the last ``DRAIN_WINDOW_S`` seconds (1 s when nothing has finished yet), clamped to
@@ -32,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from policies.admission import AdmissionPolicy, AdmissionView, BoundedQueue, BoundedQueueParams
 from wire.tier import Tier
 
 DRAIN_WINDOW_S = 10.0
@@ -83,9 +83,14 @@ class Admission:
     """The seats of one model's fleet and the per-tier queues for them."""
 
     def __init__(
-        self, tiers: Iterable[Tier], capacity: Callable[[], int], clock: Callable[[], float] = time.monotonic
+        self,
+        tiers: Iterable[Tier],
+        capacity: Callable[[], int],
+        clock: Callable[[], float] = time.monotonic,
+        policy: AdmissionPolicy | None = None,
     ) -> None:
         self._tiers = sorted(tiers, key=lambda t: t.rank)
+        self.policy: AdmissionPolicy = policy or BoundedQueue(BoundedQueueParams())
         self._capacity = capacity
         self._clock = clock
         self._queues: dict[str, collections.deque[_Waiter]] = {
@@ -123,15 +128,14 @@ class Admission:
         if tier.name not in self._queues:
             raise KeyError(f"unknown tier {tier.name!r}")
         now = self._clock()
-        if self._can_go_now(tier, seats):
+        decision = self.policy.decide(self.view(tier, seats))
+        if decision.action == "admit":
             self._in_use += seats
             self.counts[tier.name].admitted += 1
             return Ticket(self, tier, seats, 0.0)
-        if tier.sheddable and self._more_urgent_waiting(tier):
-            raise self._shed(tier, "overloaded: more urgent requests are waiting")
+        if decision.action == "shed":
+            raise self._shed(tier, decision.reason or "overloaded")
         queue = self._queues[tier.name]
-        if len(queue) >= tier.max_queue:
-            raise self._shed(tier, f"the {tier.name!r} queue is full ({tier.max_queue} waiting)")
         waiter = _Waiter(tier, seats, now, asyncio.get_running_loop().create_future())
         queue.append(waiter)
         try:
@@ -148,13 +152,19 @@ class Admission:
         self.counts[tier.name].queued += 1
         return Ticket(self, tier, seats, self._clock() - now)
 
-    def _can_go_now(self, tier: Tier, seats: int) -> bool:
-        if self._in_use + seats > max(self._capacity(), seats):  # a request bigger than the fleet still runs
-            return False
-        return not any(self._queues[t.name] for t in self._tiers if t.rank <= tier.rank)
-
-    def _more_urgent_waiting(self, tier: Tier) -> bool:
-        return any(self._queues[t.name] for t in self._tiers if t.rank < tier.rank)
+    def view(self, tier: Tier, seats: int) -> AdmissionView:
+        """What the admission policy decides on for a request of ``tier`` asking for ``seats``."""
+        ahead = [t for t in self._tiers if t.rank <= tier.rank]
+        return AdmissionView(
+            tier=tier,
+            seats=seats,
+            seats_in_use=self._in_use,
+            capacity=self._capacity(),
+            queue_length=len(self._queues[tier.name]),
+            seats_ahead=sum(w.seats for t in ahead for w in self._queues[t.name]),
+            more_urgent_waiting=any(self._queues[t.name] for t in self._tiers if t.rank < tier.rank),
+            drain_rate=self.drain_rate(),
+        )
 
     def _shed(self, tier: Tier, reason: str) -> Shed:
         self.counts[tier.name].shed += 1
@@ -201,16 +211,19 @@ class Admission:
 
 @dataclass(slots=True)
 class AdmissionBook:
-    """One :class:`Admission` per served model, created on first use."""
+    """One :class:`Admission` per served model, created on first use, all deciding with ``policy``."""
 
     tiers: tuple[Tier, ...]
     capacity_of: Callable[[str], int]
+    policy: AdmissionPolicy | None = None
     by_model: dict[str, Admission] = field(default_factory=dict)
 
     def __call__(self, model: str) -> Admission:
         admission = self.by_model.get(model)
         if admission is None:
-            admission = self.by_model[model] = Admission(self.tiers, lambda: self.capacity_of(model))
+            admission = self.by_model[model] = Admission(
+                self.tiers, lambda: self.capacity_of(model), policy=self.policy
+            )
         return admission
 
     def capacity_changed(self) -> None:

@@ -161,12 +161,13 @@ async def _wait_for_workers(
 
 
 WORKER_POLICY_KINDS: tuple[PolicyKind, ...] = ("ordering", "budget", "preemption", "eviction")
+GATEWAY_POLICY_KINDS: tuple[PolicyKind, ...] = ("admission",)
 
 
 def check_policies(config: ServerConfig) -> None:
     """Load every policy the config selects, here, before any process starts: a plugin that is missing,
     not allowed, broken or given bad params stops startup with PolicyError naming it."""
-    for kind in WORKER_POLICY_KINDS:
+    for kind in (*WORKER_POLICY_KINDS, *GATEWAY_POLICY_KINDS):
         selection = getattr(config.policies, kind)
         load_policy(kind, selection.name, selection.params, allow_plugins=config.policies.allow_plugins)
 

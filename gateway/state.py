@@ -14,6 +14,7 @@ from gateway.instruments import GatewayMetrics
 from gateway.logprobs import TokenTexts
 from gateway.tokenizer import PromptBuilder
 from gateway.workers import WorkerState
+from policies.registry import load_policy
 from wire.config import ServerConfig
 
 
@@ -29,7 +30,11 @@ class Gateway:
     _token_texts: dict[str, TokenTexts] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.admissions = AdmissionBook(self.config.tiers, self.capacity_of)
+        selection = self.config.policies.admission
+        policy = load_policy(
+            "admission", selection.name, selection.params, allow_plugins=self.config.policies.allow_plugins
+        )
+        self.admissions = AdmissionBook(self.config.tiers, self.capacity_of, policy)
         self.dispatcher.add_listener(self.admissions.capacity_changed)
         self.metrics.watch(self.dispatcher, self.admissions)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from policies.admission import AdmissionPolicy
 from policies.base import (
     POLICY_KINDS,
     BudgetPolicy,
@@ -34,13 +35,14 @@ from policies.base import (
 ENTRY_POINT_GROUP = "tierserve.policies"
 BUILTIN_DISTRIBUTION = "tierserve"
 
-# The Protocol an instance of each kind must satisfy (the gateway kinds register theirs when they
-# exist; until then only ``kind`` and construction are checked for them).
+# The Protocol an instance of each kind must satisfy (a kind without one yet is only checked for its
+# ``kind`` and construction).
 PROTOCOLS: dict[str, type] = {
     "ordering": OrderingPolicy,
     "budget": BudgetPolicy,
     "preemption": PreemptionPolicy,
     "eviction": EvictionPolicy,
+    "admission": AdmissionPolicy,
 }
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from gateway.admission import Admission, Shed
+from policies.admission import BoundedQueue, BoundedQueueParams
 from wire.tier import Tier
 
 INTERACTIVE = Tier(name="interactive", rank=0, max_queue=2)
@@ -163,3 +165,35 @@ async def test_several_seats_at_once_and_a_request_bigger_than_the_fleet_still_r
         ticket.release()
     huge = await admission.admit(STANDARD, seats=9)  # more than capacity: alone, it runs
     huge.release()
+
+
+async def test_the_policy_sheds_when_the_expected_wait_is_past_the_tiers_limit() -> None:
+    clock = Clock()
+    policy = BoundedQueue(BoundedQueueParams(max_wait_s={"batch": 1.5}))
+    seats = [2]
+    admission = Admission(TIERS, lambda: seats[0], clock, policy=policy)
+    held = [await admission.admit(BATCH) for _ in range(2)]
+    # Nothing has drained yet: no rate, no estimate, so it queues.
+    first = asyncio.create_task(admission.admit(BATCH))
+    await settle()
+    assert admission.queue_length("batch") == 1
+    # One seat per second drains.
+    held[0].release()
+    clock.now += 1.0
+    held.append(await asyncio.wait_for(first, 1))
+    assert admission.drain_rate() == pytest.approx(1.0)
+    second = asyncio.create_task(admission.admit(BATCH))
+    await settle()
+    view = admission.view(BATCH, 1)
+    assert view.expected_wait_s() == pytest.approx(2.0)  # 2 in use + 1 ahead + 1 - 2 seats
+    with pytest.raises(Shed, match=r"expected wait of 2 s is past the 'batch' tier's 1\.5 s"):
+        await asyncio.wait_for(admission.admit(BATCH), 1)
+    second.cancel()
+    await asyncio.gather(second, return_exceptions=True)
+
+
+def test_every_policy_in_the_example_config_loads() -> None:
+    from gateway.serve import check_policies
+    from wire.config import load_config
+
+    check_policies(load_config(Path(__file__).resolve().parents[2] / "examples" / "tierserve.toml", env={}))

@@ -53,7 +53,7 @@ def test_example_file_loads_and_is_the_one_in_the_docs() -> None:
     assert [t.name for t in config.tenants] == ["chat-frontend", "nightly-jobs"]
     assert [p.role for p in config.models.pools] == ["primary", "fallback"]
     assert config.policies.ordering.name == "tiered"  # the bare-name shorthand
-    assert config.policies.routing.params == {"prefix_weight": 0.5}
+    assert config.policies.admission.params == {"max_wait_s": {"batch": 30.0}}
     assert config.anonymous_tenant() is None
     # The documentation embeds the example verbatim, so editing one without the other fails here.
     assert EXAMPLE.read_text() in (ROOT / "docs" / "configuration.md").read_text()
