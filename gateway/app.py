@@ -1,7 +1,9 @@
 """The HTTP front: the OpenAI endpoints, ``/v1/models``, ``/health``, ``/ready`` and ``/metrics``.
 
-    headers ─▶ identity (tenant, tier; 401/400/403) ─▶ body ─▶ openai_api (decode) ─▶ tokenizer (thread)
-        ─▶ context check per prompt ─▶ Job (prompts × n choices) ─▶ completion.respond
+    headers ─▶ identity (tenant, tier; 401/400/403) ─▶ body ─▶ openai_api (decode)
+        ─▶ placement (primary or fallback pool: the degradation policy, once; gateway/state.py)
+        ─▶ tokenizer of the placed model (thread) ─▶ context check per prompt ─▶ Job (prompts × n choices)
+        ─▶ completion.respond
                                          (admission, dispatch, fan-in, SSE or JSON: gateway/completion.py)
 
 While draining (SIGTERM, see gateway/drain.py) the completion routes answer 503 and ``/ready`` 503.
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 import msgspec
@@ -41,8 +43,8 @@ from gateway.openai_api import (
     decode_completion,
 )
 from gateway.sse import ClientDisconnected
-from gateway.state import Gateway
-from gateway.tokenizer import TemplateError, chat_ids_async, text_ids_async
+from gateway.state import Gateway, Placement
+from gateway.tokenizer import PromptBuilder, TemplateError, chat_ids_async, text_ids_async
 from gateway.workers import WorkerState
 from wire.errors import InvalidRequestError
 from wire.sampling import SamplingParams
@@ -65,29 +67,43 @@ def create_app(gateway: Gateway) -> Starlette:
     async def chat(request: Request) -> Response:
         identity = identify(gateway.config, request.headers)
         parsed = _parse(decode_chat, await _read_body(request, limits.max_body_bytes))
-        builder = gateway.builder(parsed.model)
+        gateway.builder(parsed.model)  # 404 for a model not served here
         _check(lambda: parsed.check_n(limits.max_n))
         messages = _check(lambda: [{"role": m.role, "content": m.text()} for m in parsed.messages])
-        try:
-            prompt_ids = await chat_ids_async(builder, messages)
-        except TemplateError as exc:
-            raise APIError(400, f"messages: {exc}", param="messages") from None
-        texts = gateway.token_texts(parsed.model) if parsed.logprobs else None
-        renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", parsed.model, parsed.include_usage, texts)
-        return await _answer(request, gateway, identity, parsed, [prompt_ids], renderer)
+
+        async def tokenize(builder: PromptBuilder) -> list[list[int]]:
+            try:
+                return [await chat_ids_async(builder, messages)]
+            except TemplateError as exc:
+                raise APIError(400, f"messages: {exc}", param="messages") from None
+
+        placement = gateway.place(parsed.model, identity.tier, seats=parsed.n)
+        placement, prompt_ids = await _tokenized(gateway, placement, tokenize, has_token_ids=False)
+        texts = gateway.token_texts(placement.model) if parsed.logprobs else None
+        renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", placement.model, parsed.include_usage, texts)
+        return await _answer(request, gateway, identity, parsed, prompt_ids, renderer, placement)
 
     async def completions(request: Request) -> Response:
         identity = identify(gateway.config, request.headers)
         parsed = _parse(decode_completion, await _read_body(request, limits.max_body_bytes))
-        builder = gateway.builder(parsed.model)
+        gateway.builder(parsed.model)
         _check(lambda: parsed.check_n(limits.max_n))
         prompts = _check(lambda: parsed.prompts(limits.max_prompts))
-        prompt_ids = [
-            await text_ids_async(builder, prompt) if isinstance(prompt, str) else prompt for prompt in prompts
-        ]
-        texts = gateway.token_texts(parsed.model) if parsed.logprobs is not None else None
-        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", parsed.model, parsed.include_usage, texts)
-        return await _answer(request, gateway, identity, parsed, prompt_ids, renderer)
+
+        async def tokenize(builder: PromptBuilder) -> list[list[int]]:
+            return [
+                await text_ids_async(builder, prompt) if isinstance(prompt, str) else list(prompt)
+                for prompt in prompts
+            ]
+
+        placement = gateway.place(parsed.model, identity.tier, seats=parsed.n * len(prompts))
+        has_ids = any(not isinstance(prompt, str) for prompt in prompts)
+        placement, prompt_ids = await _tokenized(gateway, placement, tokenize, has_token_ids=has_ids)
+        texts = gateway.token_texts(placement.model) if parsed.logprobs is not None else None
+        renderer = CompletionRenderer(
+            f"cmpl-{uuid.uuid4().hex}", placement.model, parsed.include_usage, texts
+        )
+        return await _answer(request, gateway, identity, parsed, prompt_ids, renderer, placement)
 
     async def models(request: Request) -> Response:
         cards = [ModelCard(id=name, created=gateway.started_at) for name in gateway.builders]
@@ -133,6 +149,31 @@ def create_app(gateway: Gateway) -> Starlette:
     )
 
 
+async def _tokenized(
+    gateway: Gateway,
+    placement: Placement,
+    tokenize: Callable[[PromptBuilder], Awaitable[list[list[int]]]],
+    *,
+    has_token_ids: bool,
+) -> tuple[Placement, list[list[int]]]:
+    """The prompts as token ids for the model ``placement`` chose, and the placement they run with.
+
+    A degraded request goes back to its primary when the fallback cannot take it as it is: prompts
+    given as token ids for a fallback with another tokenizer, or a prompt too long for its context.
+    """
+    builder = gateway.builder(placement.model)
+    primary = Placement(placement.requested, placement.requested)
+    same_tokenizer = builder is gateway.builder(primary.model)
+    if placement.is_degraded and has_token_ids and not same_tokenizer:
+        placement, builder = primary, gateway.builder(primary.model)
+    prompts = await tokenize(builder)
+    if placement.is_degraded and not gateway.fits(placement.model, max(len(p) for p in prompts)):
+        placement = primary
+        if not same_tokenizer:
+            prompts = await tokenize(gateway.builder(primary.model))
+    return placement, prompts
+
+
 async def _answer(
     request: Request,
     gateway: Gateway,
@@ -140,12 +181,22 @@ async def _answer(
     parsed: ChatCompletionRequest | CompletionRequest,
     prompts: Sequence[Sequence[int]],
     renderer: Renderer,
+    placement: Placement,
 ) -> Response:
     context_class = gateway.config.gateway.context_class(max(len(p) for p in prompts))
+    model = placement.model
     job = Job(
-        parsed.model, identity, _choices(gateway, parsed, prompts), renderer, parsed.stream, context_class
+        model,
+        identity,
+        _choices(gateway, model, parsed, prompts),
+        renderer,
+        parsed.stream,
+        context_class,
+        requested_model=placement.requested,
+        is_degraded=placement.is_degraded,
     )
-    log.debug("request %s: tenant %s, tier %s", renderer.request_id, identity.tenant.name, identity.tier.name)
+    log.debug("request %s: tenant %s, tier %s, model %s (asked for %s)", renderer.request_id,
+              identity.tenant.name, identity.tier.name, model, placement.requested)  # fmt: skip
     try:
         return await respond(gateway, job, request.receive)
     except ClientDisconnected:
@@ -154,6 +205,7 @@ async def _answer(
 
 def _choices(
     gateway: Gateway,
+    model: str,
     parsed: ChatCompletionRequest | CompletionRequest,
     prompts: Sequence[Sequence[int]],
 ) -> list[Choice]:
@@ -161,7 +213,7 @@ def _choices(
     prompt samples with ``seed + i``: reproducible, yet not ``n`` copies of one answer."""
     choices = []
     for prompt_index, prompt_ids in enumerate(prompts):
-        sampling = _sampling(gateway, parsed, prompt_ids)
+        sampling = _sampling(gateway, model, parsed, prompt_ids)
         for i in range(parsed.n):
             seeded = sampling
             if sampling.seed is not None and i:
@@ -171,9 +223,12 @@ def _choices(
 
 
 def _sampling(
-    gateway: Gateway, parsed: ChatCompletionRequest | CompletionRequest, prompt_ids: Sequence[int]
+    gateway: Gateway,
+    model: str,
+    parsed: ChatCompletionRequest | CompletionRequest,
+    prompt_ids: Sequence[int],
 ) -> SamplingParams:
-    max_model_len, vocab_size = gateway.context_of(parsed.model)
+    max_model_len, vocab_size = gateway.context_of(model)
     num_prompt = len(prompt_ids)
     param = "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt"
     if num_prompt == 0:

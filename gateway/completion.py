@@ -53,15 +53,20 @@ class Job:
     renderer: Renderer
     stream: bool
     context_class: str  # from the longest prompt (gateway.context_classes)
+    requested_model: str | None = None  # what the client asked for, when ``model`` is its fallback
+    is_degraded: bool = False  # served by the fallback pool (the degradation policy chose, once)
     arrival: float = field(default_factory=time.monotonic)
 
     @property
     def headers(self) -> dict[str, str]:
-        return {
+        headers = {
             "x-sla-tier": self.identity.tier.name,
             "x-tierserve-model": self.model,
             "x-context-class": self.context_class,
         }
+        if self.is_degraded:
+            headers["x-degraded"] = "true"
+        return headers
 
 
 @dataclass(slots=True)
@@ -143,6 +148,8 @@ async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
     """Admit, run and answer ``job``; raises :class:`APIError` for an answer that is an error."""
     tier = job.identity.tier
     labels = (job.model, tier.name)
+    if job.is_degraded:
+        gateway.metrics.degraded.inc(job.requested_model or job.model, tier.name)
     admission = gateway.admissions(job.model)
     try:
         ticket = await until_disconnect(receive, admission.admit(tier, seats=len(job.choices)))

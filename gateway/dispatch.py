@@ -1,6 +1,6 @@
 """The gateway's one ZeroMQ ROUTER: Submit/Abort out, worker messages in, tokens demultiplexed per request.
 
-    submit() ── pick (registry) ── Submit ──▶ ROUTER ══▶ worker DEALERs (identity = worker_id)
+    submit() ── pick (routing policy) ── Submit ──▶ ROUTER ══▶ worker DEALERs (identity = worker_id)
     RequestStream ◀── asyncio.Queue per request ◀── receive task ◀── TokenBatch / Rejected
                                      registry ◀── receive task ◀── Register / Heartbeat / DrainNotice
                         WorkerLost ◀── expiry task (no message for heartbeat_timeout_s)
@@ -35,7 +35,8 @@ from gateway.request_stream import (
     WorkerLost,
     WorkerRejected,
 )
-from gateway.workers import WorkerInfo, WorkerRegistry, WorkerState
+from gateway.workers import RoutingError, WorkerInfo, WorkerRegistry, WorkerState
+from policies.routing import RouteRequest, RoutingPolicy
 from wire.codec import MAX_FRAME_BYTES, DecodeStats, encode, worker_message_decoder
 from wire.messages import (
     Abort,
@@ -86,9 +87,12 @@ class DispatchStats:
 class Dispatcher:
     """Owns the ROUTER socket, the worker registry and the in-flight requests of this gateway."""
 
-    def __init__(self, bind: str, *, heartbeat_timeout_s: float = 3.0) -> None:
+    def __init__(
+        self, bind: str, *, heartbeat_timeout_s: float = 3.0, routing: RoutingPolicy | None = None
+    ) -> None:
+        """``routing``: the policy that picks a worker per request (least-loaded when not given)."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.registry = WorkerRegistry()
+        self.registry = WorkerRegistry(routing)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker replaces its old pipe
@@ -182,8 +186,8 @@ class Dispatcher:
         trace_context: Mapping[str, str] | None = None,
         tenant: str | None = None,
     ) -> RequestStream:
-        """Send the request to the least-loaded ready worker of ``model``; :class:`NoWorkerAvailable` if
-        there is none (or every one we tried turned out to be gone)."""
+        """Send the request to the ready worker of ``model`` the routing policy picks;
+        :class:`NoWorkerAvailable` if there is none (or every one we tried turned out to be gone)."""
         if self._is_closed:
             raise DispatcherClosed("the gateway's dispatcher is closed")
         if request_id in self._requests:
@@ -207,7 +211,14 @@ class Dispatcher:
     def _place(self, request: InFlight, exclude: set[str]) -> bool:
         """Send ``request.submit`` to the best worker not in ``exclude``; False if none would take it."""
         frame = encode(request.submit)
-        while (worker := self.registry.pick(request.model, exclude=exclude)) is not None:
+        submit = request.submit
+        route = RouteRequest(
+            request_id=submit.request_id,
+            model=request.model,
+            tier=submit.tier,
+            num_prompt_tokens=len(submit.prompt_token_ids),
+        )
+        while (worker := self.registry.pick(request.model, exclude=exclude, request=route)) is not None:
             # Tracked before sending, so even an instant answer finds its queue.
             request.worker_id = worker.worker_id
             self._requests[request.request_id] = request
@@ -368,8 +379,12 @@ class Dispatcher:
         self._forget(request)
         # 503: the worker began draining after we picked it. It ran nothing, so the same Submit (same
         # epoch) can go to another worker; the client never learns.
-        if message.status == 503 and self._place(request, exclude={request.worker_id}):
-            return
+        if message.status == 503:
+            try:
+                if self._place(request, exclude={request.worker_id}):
+                    return
+            except RoutingError:
+                log.exception("routing failed re-placing request %s", request.request_id)
         request.queue.put_nowait(WorkerRejected(message.status, message.field, message.message))
 
     def _drop_unknown_peer(self, identity: bytes, what: str) -> None:

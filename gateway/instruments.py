@@ -3,6 +3,7 @@
 Per request (recorded by gateway/completion.py as it happens), labelled by model and tier:
     tierserve_requests_total{status}            every completion request, by final HTTP status
     tierserve_shed_total                        429s from admission
+    tierserve_degraded_total                    requests sent to the fallback pool (model: the one asked for)
     tierserve_prompt_tokens_total, _output_tokens_total, _cached_tokens_total
     tierserve_time_to_first_token_seconds       arrival at the gateway → first token sent
     tierserve_time_per_output_token_seconds     (last − first token) / (tokens − 1), per request
@@ -31,6 +32,9 @@ class GatewayMetrics:
         self.requests = r.counter("tierserve_requests_total", "Completion requests by final status.",
                                   ("model", "tier", "status"))  # fmt: skip
         self.shed = r.counter("tierserve_shed_total", "Requests refused with 429 by admission.", mt)
+        self.degraded = r.counter(
+            "tierserve_degraded_total", "Requests served by the fallback pool, by the model asked for.", mt
+        )
         self.prompt_tokens = r.counter(
             "tierserve_prompt_tokens_total", "Prompt tokens, finished requests.", mt
         )

@@ -1,7 +1,13 @@
-"""The gateway's long-lived parts, built once by ``serve`` and shared by every request handler."""
+"""The gateway's long-lived parts, built once by ``serve`` and shared by every request handler.
+
+It loads the gateway's policies from the config: admission (gateway/admission.py asks it), routing
+(handed to the dispatcher's worker registry) and degradation (:meth:`Gateway.place`, asked once per
+request before anything is tokenized or dispatched).
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -14,8 +20,21 @@ from gateway.instruments import GatewayMetrics
 from gateway.logprobs import TokenTexts
 from gateway.tokenizer import PromptBuilder
 from gateway.workers import WorkerState
+from policies.degradation import DegradationPolicy, DegradationView, predict_ttft_s
 from policies.registry import load_policy
 from wire.config import ServerConfig
+from wire.tier import Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one request runs: ``model`` is the served model (the fallback's name when degraded)."""
+
+    model: str
+    requested: str  # what the client put in "model"
+    is_degraded: bool = False
 
 
 @dataclass(slots=True)
@@ -24,17 +43,25 @@ class Gateway:
     config: ServerConfig
     builders: Mapping[str, PromptBuilder]  # served model name → its prompt builder
     started_at: int
+    fallbacks: Mapping[str, str] = field(default_factory=dict)  # primary model → its fallback pool's model
     drain: Drain = field(default_factory=Drain)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     admissions: AdmissionBook = field(init=False)
+    degradation: DegradationPolicy = field(init=False)
     _token_texts: dict[str, TokenTexts] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        selection = self.config.policies.admission
-        policy = load_policy(
-            "admission", selection.name, selection.params, allow_plugins=self.config.policies.allow_plugins
+        policies = self.config.policies
+        allow = policies.allow_plugins
+        admission = load_policy("admission", policies.admission.name, policies.admission.params,
+                                allow_plugins=allow)  # fmt: skip
+        self.admissions = AdmissionBook(self.config.tiers, self.capacity_of, admission)
+        self.dispatcher.registry.routing = load_policy(
+            "routing", policies.routing.name, policies.routing.params, allow_plugins=allow
         )
-        self.admissions = AdmissionBook(self.config.tiers, self.capacity_of, policy)
+        self.degradation = load_policy(
+            "degradation", policies.degradation.name, policies.degradation.params, allow_plugins=allow
+        )
         self.dispatcher.add_listener(self.admissions.capacity_changed)
         self.metrics.watch(self.dispatcher, self.admissions)
 
@@ -73,3 +100,54 @@ class Gateway:
             raise APIError(503, f"no ready worker serves model {model!r}", code="no_worker_available")
         vocab_sizes = [r.vocab_size for r in ready if r.vocab_size is not None]
         return min(r.max_model_len for r in ready), min(vocab_sizes) if vocab_sizes else None
+
+    def fits(self, model: str, num_prompt_tokens: int) -> bool:
+        """Whether a prompt this long leaves room for output on every ready worker of ``model``."""
+        lengths = [w.register.max_model_len for w in self.dispatcher.registry.ready(model)]
+        return bool(lengths) and num_prompt_tokens < min(lengths)
+
+    # ---- degradation ---------------------------------------------------------------------------
+
+    def place(self, model: str, tier: Tier, seats: int) -> Placement:
+        """Primary or fallback for one request of ``model`` at ``tier`` asking for ``seats``: the
+        degradation policy's choice, made once. A model without a fallback pool (a fallback itself, when
+        asked for by name) is served as asked. A "fallback" the policy may not give (the tier is not
+        degradable, or no fallback worker is ready) is logged and ignored."""
+        fallback = self.fallbacks.get(model)
+        if fallback is None:
+            return Placement(model, model)
+        view = self.degradation_view(model, fallback, tier, seats)
+        choice = self.degradation.decide(view)
+        if choice == "fallback" and tier.degradable and view.fallback_ready:
+            return Placement(fallback, model, is_degraded=True)
+        if choice not in ("primary", "fallback"):
+            log.error("degradation policy %s answered %r; serving on the primary",
+                      type(self.degradation).__name__, choice)  # fmt: skip
+        elif choice == "fallback":
+            log.error("degradation policy %s degraded a request it may not (tier %r, fallback ready: %s); "
+                      "serving on the primary", type(self.degradation).__name__, tier.name,
+                      view.fallback_ready)  # fmt: skip
+        return Placement(model, model)
+
+    def degradation_view(self, primary: str, fallback: str, tier: Tier, seats: int) -> DegradationView:
+        primary_ttft, primary_ready = self._prediction(primary, tier, seats)
+        fallback_ttft, fallback_ready = self._prediction(fallback, tier, seats)
+        return DegradationView(
+            tier=tier,
+            primary=primary,
+            fallback=fallback,
+            seats=seats,
+            predicted_ttft_s=primary_ttft,
+            primary_circuit_open=not primary_ready,
+            fallback_ready=fallback_ready,
+            fallback_predicted_ttft_s=fallback_ttft,
+        )
+
+    def _prediction(self, model: str, tier: Tier, seats: int) -> tuple[float | None, bool]:
+        """(predicted TTFT of a request on ``model``'s pool, whether it has a ready worker)."""
+        registry = self.dispatcher.registry
+        workers = [registry.view(info) for info in registry.ready(model)]
+        if not workers:
+            return None, False
+        wait = self.admissions(model).view(tier, seats).expected_wait_s()
+        return predict_ttft_s(wait, workers), True

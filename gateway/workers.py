@@ -1,7 +1,8 @@
 """The worker registry: who is connected, what each serves, how loaded it is, and what it is running.
 
 Pure bookkeeping, no sockets and no clock of its own: the dispatcher feeds it the messages workers send
-(Register, Heartbeat, DrainNotice) with the arrival time, and asks it whom to send the next request to.
+(Register, Heartbeat, DrainNotice) with the arrival time, and asks it whom to send the next request to:
+the ready workers of the model, shown as read-only views to the routing policy (policies/routing.py).
 
     Register ──▶ READY ──DrainNotice──▶ DRAINING
                    │                        │
@@ -17,6 +18,8 @@ import enum
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
+from policies.base import NoParams
+from policies.routing import LeastLoaded, RouteRequest, RoutingPolicy, WorkerStateName, WorkerView
 from wire.messages import DrainNotice, Heartbeat, Register, WorkerStats
 
 
@@ -24,6 +27,13 @@ class WorkerState(enum.Enum):
     READY = "ready"
     DRAINING = "draining"  # finishing what it has, taking nothing new
     DEAD = "dead"  # stopped talking; its in-flight requests have been failed (or, later, migrated)
+
+
+_STATE_NAMES: dict[WorkerState, WorkerStateName] = {
+    WorkerState.READY: "ready",
+    WorkerState.DRAINING: "draining",
+    WorkerState.DEAD: "dead",
+}
 
 
 @dataclass(slots=True)
@@ -42,34 +52,20 @@ class WorkerInfo:
     def model(self) -> str:
         return self.register.model
 
-    @property
-    def num_load(self) -> int:
-        """Requests on the worker: the larger of what it last reported and what we have sent it.
 
-        The report lags (it is as old as the last heartbeat), so a burst of submits between two
-        heartbeats would otherwise all land on whichever worker looked idle; our own count is current
-        but blind to other gateways sharing the worker. The larger of the two is right in both cases.
-        """
-        reported = self.stats.num_running + self.stats.num_waiting if self.stats is not None else 0
-        return max(reported, len(self.in_flight_ids))
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of KV blocks in use at the last heartbeat (0 before the first)."""
-        stats = self.stats
-        if stats is None or stats.num_total_blocks <= 0:
-            return 0.0
-        return 1.0 - stats.num_free_blocks / stats.num_total_blocks
+class RoutingError(Exception):
+    """The routing policy chose no candidate (a bug in the policy)."""
 
 
 class WorkerRegistry:
     """Every worker that ever registered (dead ones stay, so /metrics and a re-Register can see them)."""
 
-    __slots__ = ("_next_tie", "_workers")
+    __slots__ = ("_workers", "routing")
 
-    def __init__(self) -> None:
+    def __init__(self, routing: RoutingPolicy | None = None) -> None:
         self._workers: dict[str, WorkerInfo] = {}
-        self._next_tie = 0  # rotates through tied candidates so equal load spreads
+        # Whom ``pick`` sends a request to (the config's ``policies.routing``; least-loaded by default).
+        self.routing: RoutingPolicy = routing if routing is not None else LeastLoaded(NoParams())
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -131,24 +127,45 @@ class WorkerRegistry:
             info.last_seen = now
         return info
 
-    def pick(self, model: str, *, exclude: Collection[str] = ()) -> WorkerInfo | None:
-        """The least-loaded ready worker serving ``model``: fewest requests, then least KV in use;
-        exact ties rotate, so idle workers share a burst instead of the first one taking it all."""
-        best: list[WorkerInfo] = []
-        best_key: tuple[int, float] | None = None
-        for info in self._workers.values():
-            if info.state is not WorkerState.READY or info.model != model or info.worker_id in exclude:
-                continue
-            key = (info.num_load, info.kv_usage)
-            if best_key is None or key < best_key:
-                best, best_key = [info], key
-            elif key == best_key:
-                best.append(info)
-        if not best:
+    def view(self, info: WorkerInfo) -> WorkerView:
+        """``info`` as the routing and degradation policies see it (a copy: they cannot change it)."""
+        stats = info.stats
+        return WorkerView(
+            worker_id=info.worker_id,
+            model=info.model,
+            state=_STATE_NAMES[info.state],
+            max_num_seqs=info.register.max_num_seqs,
+            num_in_flight=len(info.in_flight_ids),
+            num_running=stats.num_running if stats is not None else None,
+            num_waiting=stats.num_waiting if stats is not None else None,
+            num_free_blocks=stats.num_free_blocks if stats is not None else None,
+            num_total_blocks=stats.num_total_blocks if stats is not None else None,
+            step_time_ema_ms=stats.step_time_ema_ms if stats is not None else None,
+        )
+
+    def ready(self, model: str, *, exclude: Collection[str] = ()) -> list[WorkerInfo]:
+        """The ready workers serving ``model``, less ``exclude``, in registration order."""
+        return [
+            info
+            for info in self._workers.values()
+            if info.state is WorkerState.READY and info.model == model and info.worker_id not in exclude
+        ]
+
+    def pick(
+        self, model: str, *, exclude: Collection[str] = (), request: RouteRequest | None = None
+    ) -> WorkerInfo | None:
+        """The ready worker of ``model`` (not in ``exclude``) the routing policy chooses; None if there
+        is none. A choice outside the candidates is the policy's bug: it raises, naming the policy."""
+        candidates = self.ready(model, exclude=exclude)
+        if not candidates:
             return None
-        chosen = best[self._next_tie % len(best)]
-        self._next_tie += 1
-        return chosen
+        if request is None:
+            request = RouteRequest(request_id="", model=model, tier=None, num_prompt_tokens=0)
+        index = self.routing.choose(request, [self.view(info) for info in candidates])
+        if not (isinstance(index, int) and 0 <= index < len(candidates)):
+            name = type(self.routing).__name__
+            raise RoutingError(f"routing policy {name} chose {index!r} among {len(candidates)} workers")
+        return candidates[index]
 
     def expire(self, now: float, timeout_s: float) -> list[WorkerInfo]:
         """Mark workers silent for longer than ``timeout_s`` dead; returns the newly dead ones, their

@@ -31,18 +31,21 @@ from policies.base import (
     PolicyKind,
     PreemptionPolicy,
 )
+from policies.degradation import DegradationPolicy
+from policies.routing import RoutingPolicy
 
 ENTRY_POINT_GROUP = "tierserve.policies"
 BUILTIN_DISTRIBUTION = "tierserve"
 
-# The Protocol an instance of each kind must satisfy (a kind without one yet is only checked for its
-# ``kind`` and construction).
+# The Protocol an instance of each kind must satisfy.
 PROTOCOLS: dict[str, type] = {
     "ordering": OrderingPolicy,
     "budget": BudgetPolicy,
     "preemption": PreemptionPolicy,
     "eviction": EvictionPolicy,
     "admission": AdmissionPolicy,
+    "routing": RoutingPolicy,
+    "degradation": DegradationPolicy,
 }
 
 
