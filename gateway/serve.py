@@ -1,8 +1,12 @@
 """``tierserve serve``: one process that runs the gateway and owns its worker processes.
 
     serve ─┬─ Dispatcher (ROUTER on tcp://127.0.0.1:<ephemeral>)
-           ├─ worker processes: python -m worker.cli worker --connect ...   (children, killed on exit)
+           ├─ worker processes: python -m worker.cli worker --connect ... --served-name POOL
+           │    (every configured pool, primary and fallback, its own workers; children, killed on exit)
            └─ uvicorn on host:port, /ready 503 until a worker has registered
+
+Each pool's workers register under the pool's served name; the gateway serves every pool by name and
+sends degraded requests for a primary to the fallback pool (``Gateway.fallbacks``).
 
 This module starts workers by command line only; it never imports the worker package (the gateway must
 stay torch-free). Shutdown (Ctrl-C, SIGTERM, or a worker dying before it was ever ready) always runs the
@@ -34,23 +38,52 @@ from gateway.tokenizer import PromptBuilder
 from gateway.workers import WorkerState
 from policies.base import PolicyKind
 from policies.registry import load_policy
-from wire.config import ServerConfig
+from wire.config import ModelPool, ServerConfig
 
 WORKER_STOP_TIMEOUT_S = 10.0
 PR_SET_PDEATHSIG = 1
 
 
 @dataclass(slots=True)
+class PoolLaunch:
+    """One model pool as serve starts it."""
+
+    name: str  # what its workers register as and clients put in "model"
+    pool: ModelPool  # role and engine settings (dtype, KV cache, sequences, batched tokens)
+    builder: PromptBuilder
+    worker_args: Sequence[str]  # passed to each of its `worker` subcommands (--mock, or --model FOLDER)
+    num_workers: int
+
+
+@dataclass(slots=True)
 class ServeOptions:
     host: str
     port: int
-    model_name: str  # what workers register as and clients put in "model"
-    builder: PromptBuilder
-    worker_args: Sequence[str]  # passed to every `worker` subcommand (--mock, or --model FOLDER ...)
-    num_workers: int
+    pools: Sequence[PoolLaunch]  # the first primary is the one the start-up message shows
     config: ServerConfig
     ready_timeout_s: float = 600.0
     log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        names = [launch.name for launch in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two pools would serve the same model name: {names}")
+        if sum(launch.pool.role == "fallback" for launch in self.pools) > 1:
+            raise ValueError("at most one fallback pool")
+        if not any(launch.pool.role == "primary" for launch in self.pools):
+            raise ValueError("at least one primary pool")
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """Every primary pool's name → the fallback pool's name (none without a fallback pool)."""
+        fallback = next((launch.name for launch in self.pools if launch.pool.role == "fallback"), None)
+        if fallback is None:
+            return {}
+        return {launch.name: fallback for launch in self.pools if launch.pool.role == "primary"}
+
+    @property
+    def primary_name(self) -> str:
+        return next(launch.name for launch in self.pools if launch.pool.role == "primary")
 
 
 class _Server(uvicorn.Server):
@@ -73,9 +106,14 @@ async def _serve(options: ServeOptions) -> int:
     waiter: asyncio.Task[bool] | None = None
     drainer: asyncio.Task[None] | None = None
     try:
-        _say(f"starting {options.num_workers} worker(s) of {options.model_name!r} on {dispatcher.address}")
-        workers = [_spawn(dispatcher.address, i, options) for i in range(options.num_workers)]
-        gateway = Gateway(dispatcher, options.config, {options.model_name: options.builder}, int(time.time()))
+        for launch in options.pools:
+            _say(f"starting {launch.num_workers} worker(s) of {launch.name!r} ({launch.pool.role}) "
+                 f"on {dispatcher.address}")  # fmt: skip
+            workers += [
+                _spawn(dispatcher.address, i, launch, options.config) for i in range(launch.num_workers)
+            ]
+        builders = {launch.name: launch.builder for launch in options.pools}
+        gateway = Gateway(dispatcher, options.config, builders, int(time.time()), fallbacks=options.fallbacks)
         config = uvicorn.Config(
             create_app(gateway), host=options.host, port=options.port, log_level=options.log_level,
             lifespan="off", timeout_graceful_shutdown=5,
@@ -132,7 +170,9 @@ async def _wait_for_workers(
     deadline passes first."""
 
     def num_ready() -> int:
-        return dispatcher.registry.num_in_state(WorkerState.READY, options.model_name)
+        return sum(
+            dispatcher.registry.num_in_state(WorkerState.READY, launch.name) for launch in options.pools
+        )
 
     deadline = time.monotonic() + options.ready_timeout_s
     reported = -1
@@ -150,18 +190,17 @@ async def _wait_for_workers(
         with contextlib.suppress(TimeoutError):
             await dispatcher.wait_until(lambda r=ready: num_ready() != r, timeout_s=1.0)  # type: ignore[misc]
     host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
-    _say(
-        f"{len(workers)}/{len(workers)} workers ready; serving {options.model_name!r} on http://{host}:{options.port}"
-    )
+    names = ", ".join(repr(launch.name) for launch in options.pools)
+    _say(f"{len(workers)}/{len(workers)} workers ready; serving {names} on http://{host}:{options.port}")
     _say(
         f"try:\n  curl http://{host}:{options.port}/v1/chat/completions -H 'Content-Type: application/json' "
-        f"""-d '{{"model": "{options.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'"""
+        f"""-d '{{"model": "{options.primary_name}", "messages": [{{"role": "user", "content": "Hi"}}]}}'"""
     )
     return True
 
 
 WORKER_POLICY_KINDS: tuple[PolicyKind, ...] = ("ordering", "budget", "preemption", "eviction")
-GATEWAY_POLICY_KINDS: tuple[PolicyKind, ...] = ("admission",)
+GATEWAY_POLICY_KINDS: tuple[PolicyKind, ...] = ("admission", "routing", "degradation")
 
 
 def check_policies(config: ServerConfig) -> None:
@@ -182,10 +221,9 @@ def policies_arg(config: ServerConfig) -> list[str]:
     return ["--policies", json.dumps(chosen)]
 
 
-def pool_args(config: ServerConfig) -> list[str]:
-    """The engine settings of the config's first primary pool, as worker flags (``worker_args`` given
-    after them win, argparse keeping the last)."""
-    pool = config.pools("primary")[0]
+def pool_args(pool: ModelPool) -> list[str]:
+    """A pool's engine settings as worker flags (``worker_args`` given after them win, argparse keeping
+    the last)."""
     return [
         "--dtype", pool.dtype,
         "--kv-cache-gb", str(pool.kv_cache_gb),
@@ -194,11 +232,11 @@ def pool_args(config: ServerConfig) -> list[str]:
     ]  # fmt: skip
 
 
-def _spawn(address: str, index: int, options: ServeOptions) -> subprocess.Popen[bytes]:
+def _spawn(address: str, index: int, launch: PoolLaunch, config: ServerConfig) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "worker.cli", "worker", "--connect", address,
-        "--worker-id", f"{options.model_name}-{index}", *pool_args(options.config),
-        *policies_arg(options.config), *options.worker_args,
+        "--worker-id", f"{launch.name}-{index}", "--served-name", launch.name, *pool_args(launch.pool),
+        *policies_arg(config), *launch.worker_args,
     ]  # fmt: skip
     return subprocess.Popen(command, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from worker import cli as worker_cli
+
+if TYPE_CHECKING:
+    from gateway.serve import PoolLaunch
+    from wire.config import ServerConfig
 
 USAGE = """usage: tierserve {serve,models,generate,worker,load,bench} ...
 
@@ -52,19 +57,28 @@ def _serve_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="default: gateway.host from the config (127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="default: gateway.port from the config (8000)")
     serve.add_argument(
-        "--model", default="default", help="a Hugging Face folder, or 'default' (SmolLM2-135M)"
+        "--model",
+        default=None,
+        help="the first primary pool's model instead of its path: a Hugging Face folder, or 'default' "
+        "(SmolLM2-135M); served under the folder's name",
     )
-    serve.add_argument("--mock", type=int, default=0, metavar="N", help="N simulated workers, model 'mock'")
+    serve.add_argument(
+        "--mock",
+        type=int,
+        default=0,
+        metavar="N",
+        help="simulated workers for every pool: N for the first primary, served as 'mock'; the other pools "
+        "(a fallback) keep their names and num_workers",
+    )
     serve.add_argument("--config", default=None, help="a TOML config file (else $TIERSERVE_CONFIG)")
     return serve
 
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.serve import ServeOptions, check_policies, serve
-    from gateway.tokenizer import BytePromptBuilder, HFPromptBuilder, PromptBuilder
     from policies.registry import PolicyError
     from wire.config import ConfigError, load_config
-    from worker.models.store import ModelNotFoundError, resolve_model
+    from worker.models.store import ModelNotFoundError
 
     try:
         config = load_config(args.config)
@@ -72,29 +86,47 @@ def _serve(args: argparse.Namespace) -> int:
     except (ConfigError, PolicyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    builder: PromptBuilder
-    if args.mock:
-        name, builder, worker_args, num_workers = "mock", BytePromptBuilder(), ["--mock"], args.mock
-    else:
-        try:
-            folder = resolve_model(args.model)
-        except ModelNotFoundError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        # The worker registers under its folder's name (the default model's folder is its name).
-        name, builder, worker_args, num_workers = (
-            folder.name,
-            HFPromptBuilder(folder),
-            ["--model", str(folder)],
-            1,
+    try:
+        options = ServeOptions(
+            host=args.host or config.gateway.host,
+            port=config.gateway.port if args.port is None else args.port,
+            pools=_pools(args, config),
+            config=config,
         )
-    options = ServeOptions(
-        host=args.host or config.gateway.host,
-        port=config.gateway.port if args.port is None else args.port,
-        model_name=name,
-        builder=builder,
-        worker_args=worker_args,
-        num_workers=num_workers,
-        config=config,
-    )
+    except (ModelNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return serve(options)
+
+
+def _pools(args: argparse.Namespace, config: ServerConfig) -> list[PoolLaunch]:
+    """What serve starts for each configured pool (primary and fallback), each its own workers.
+
+    ``--mock N``: mock workers everywhere; the first primary pool runs N of them served as "mock" (as
+    with no config), every other pool its ``num_workers`` under its own name. Otherwise each pool runs
+    its ``path`` under its ``name``, except that ``--model`` replaces the first primary's path and serves
+    it under the folder's name. Pools of one model folder share a prompt builder.
+    """
+    from gateway.serve import PoolLaunch
+    from gateway.tokenizer import BytePromptBuilder, HFPromptBuilder, PromptBuilder
+    from worker.models.store import resolve_model
+
+    first_primary = next(i for i, pool in enumerate(config.models.pools) if pool.role == "primary")
+    builders: dict[str, PromptBuilder] = {}
+    launches = []
+    for i, pool in enumerate(config.models.pools):
+        is_first = i == first_primary
+        if args.mock:
+            builder = builders.setdefault("mock", BytePromptBuilder())
+            name, num_workers = ("mock", args.mock) if is_first else (pool.name, pool.num_workers)
+            launches.append(PoolLaunch(name, pool, builder, ["--mock"], num_workers))
+            continue
+        override = is_first and args.model is not None
+        folder = resolve_model(args.model if override else pool.path)
+        if str(folder) not in builders:
+            builders[str(folder)] = HFPromptBuilder(folder)
+        name = folder.name if override else pool.name
+        launches.append(
+            PoolLaunch(name, pool, builders[str(folder)], ["--model", str(folder)], pool.num_workers)
+        )
+    return launches

@@ -372,3 +372,10 @@ def _validate_pools(config: ServerConfig, fail: _Fail) -> None:
         names[pool.name] = i
     if not config.pools("primary"):
         raise fail("models.pools", 'at least one pool with role = "primary" is needed')
+    fallbacks = [i for i, pool in enumerate(config.models.pools) if pool.role == "fallback"]
+    if len(fallbacks) > 1:
+        # Degradation sends every primary's degradable traffic to the one fallback pool.
+        raise fail(
+            f"models.pools[{fallbacks[1]}].role",
+            f'only one pool may have role = "fallback" (also models.pools[{fallbacks[0]}])',
+        )

@@ -59,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     worker.add_argument("--worker-id", default=None, help="identity on the gateway (default: host-pid)")
     worker.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
+    worker.add_argument(
+        "--served-name",
+        default=None,
+        metavar="NAME",
+        help="the model name to register under (default: 'mock' with --mock, else the model folder's name)",
+    )
     worker.add_argument("--mock", action="store_true", help="a simulated model: no weights, timed steps")
     worker.add_argument("--mock-step-ms", type=float, default=5.0, help="with --mock: fixed time per step")
     worker.add_argument(
@@ -125,7 +131,7 @@ def _worker(args: argparse.Namespace) -> int:
         args.connect,
         worker_id,
         heartbeat_interval_s=args.heartbeat_interval,
-        model_name="mock" if args.mock else None,
+        model_name=args.served_name or ("mock" if args.mock else None),
     )
     return daemon.run()
 

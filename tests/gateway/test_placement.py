@@ -1,0 +1,147 @@
+"""Gateway.place (primary or fallback, once per request) and routing through the configured policy, on a
+real Dispatcher whose registry is fed Register messages directly (no worker processes)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from gateway.dispatch import Dispatcher
+from gateway.state import Gateway, Placement
+from gateway.tokenizer import BytePromptBuilder
+from gateway.workers import RoutingError, WorkerRegistry
+from policies.base import NoParams
+from policies.degradation import DegradationView, Pool
+from policies.routing import RoundRobin, RouteRequest, WorkerView
+from wire.config import load_config
+from wire.messages import Register
+
+CONFIG = """
+[gateway]
+max_in_flight_factor = 1.0
+
+[[tiers]]
+name = "interactive"
+rank = 0
+ttft_ms = 1000.0
+degradable = true
+
+[[tiers]]
+name = "standard"
+rank = 1
+ttft_ms = 3000.0
+
+[[models.pools]]
+name = "big"
+
+[[models.pools]]
+name = "small"
+role = "fallback"
+
+[policies]
+routing = "round-robin"
+degradation = "degrade-on-slo"
+"""
+
+
+def register(worker_id: str, model: str) -> Register:
+    return Register(
+        worker_id=worker_id,
+        model=model,
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=100,
+        block_size=16,
+        kv_capacity_tokens=1600,
+        max_model_len=512 if model == "small" else 4096,
+        max_num_seqs=1,
+        pid=1,
+    )
+
+
+async def make_gateway(tmp_path: Path) -> Gateway:
+    (tmp_path / "tierserve.toml").write_text(CONFIG)
+    config = load_config(tmp_path / "tierserve.toml", env={})
+    dispatcher = Dispatcher("tcp://127.0.0.1:0")
+    for worker_id, model in (("big-0", "big"), ("small-0", "small")):
+        dispatcher.registry.on_register(register(worker_id, model), 0.0)
+    builder = BytePromptBuilder()
+    return Gateway(dispatcher, config, {"big": builder, "small": builder}, 0, fallbacks={"big": "small"})
+
+
+def test_degradable_tiers_go_to_the_fallback_when_the_primary_is_full_or_down(tmp_path: Path) -> None:
+    async def main() -> None:
+        gateway = await make_gateway(tmp_path)
+        interactive, standard = gateway.config.tier("interactive"), gateway.config.tier("standard")
+        try:
+            assert isinstance(gateway.dispatcher.registry.routing, RoundRobin)  # the config's choice
+            assert gateway.place("big", interactive, 1) == Placement("big", "big")  # idle primary
+            # Asking for the fallback by name is just served by it.
+            assert gateway.place("small", interactive, 1) == Placement("small", "small")
+            # The primary's one seat taken, nothing finished yet: the wait is unknown, counted as late.
+            ticket = await gateway.admissions("big").admit(standard)
+            assert gateway.place("big", interactive, 1) == Placement("small", "big", is_degraded=True)
+            assert gateway.place("big", standard, 1) == Placement("big", "big")  # not degradable
+            ticket.release()
+            assert gateway.place("big", interactive, 1) == Placement("big", "big")
+            # The primary's only worker goes silent: its circuit is open.
+            gateway.dispatcher.registry.expire(now=100.0, timeout_s=3.0)
+            gateway.dispatcher.registry.on_register(register("small-0", "small"), 100.0)  # still alive
+            assert gateway.place("big", interactive, 1) == Placement("small", "big", is_degraded=True)
+            assert gateway.place("big", standard, 1) == Placement("big", "big")  # a 503, not a degradation
+            # The fallback's prompt limit is its own (512 here), the primary's is not consulted.
+            assert gateway.fits("small", 511) and not gateway.fits("small", 512)
+            assert not gateway.fits("big", 1)  # no ready worker
+        finally:
+            await gateway.dispatcher.close()
+
+    asyncio.run(main())
+
+
+class AlwaysFallback:
+    kind: ClassVar[str] = "degradation"
+    Params = NoParams
+
+    def decide(self, view: DegradationView) -> Pool:
+        return "fallback"
+
+
+def test_a_policy_breaking_its_invariant_cannot_degrade_a_tier_that_is_not_degradable(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        gateway = await make_gateway(tmp_path)
+        gateway.degradation = AlwaysFallback()
+        try:
+            assert gateway.place("big", gateway.config.tier("standard"), 1) == Placement("big", "big")
+            assert gateway.place("big", gateway.config.tier("interactive"), 1).is_degraded
+            gateway.dispatcher.registry.expire(now=100.0, timeout_s=3.0)  # the fallback is gone too
+            assert gateway.place("big", gateway.config.tier("interactive"), 1) == Placement("big", "big")
+        finally:
+            await gateway.dispatcher.close()
+
+    asyncio.run(main())
+
+
+class OutOfRange:
+    kind: ClassVar[str] = "routing"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> int:
+        return len(candidates)
+
+
+def test_the_registry_routes_through_its_policy_and_refuses_a_choice_outside_the_candidates() -> None:
+    registry = WorkerRegistry(RoundRobin(NoParams()))
+    for worker_id in ("b", "a", "c"):
+        registry.on_register(register(worker_id, "big"), 0.0)
+    registry.get("a").in_flight_ids.update({"r1", "r2"})  # type: ignore[union-attr]
+    picks = [registry.pick("big") for _ in range(4)]
+    assert [p.worker_id for p in picks if p is not None] == ["a", "b", "c", "a"]  # load ignored
+    assert registry.pick("big", exclude={"a", "b", "c"}) is None
+    registry.routing = OutOfRange()
+    with pytest.raises(RoutingError, match="OutOfRange chose 3 among 3"):
+        registry.pick("big")
