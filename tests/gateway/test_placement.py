@@ -3,6 +3,7 @@ real Dispatcher whose registry is fed Register messages directly (no worker proc
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from gateway.workers import RoutingError, WorkerRegistry
 from policies.base import NoParams
 from policies.degradation import DegradationView, Pool
 from policies.routing import RoundRobin, RouteRequest, WorkerView
-from wire.config import load_config
+from wire.config import ConfigError, load_config
 from wire.messages import Register
 
 CONFIG = """
@@ -145,3 +146,29 @@ def test_the_registry_routes_through_its_policy_and_refuses_a_choice_outside_the
     registry.routing = OutOfRange()
     with pytest.raises(RoutingError, match="OutOfRange chose 3 among 3"):
         registry.pick("big")
+
+
+def test_serve_launches_every_pool_under_its_name_and_maps_primaries_to_the_fallback(tmp_path: Path) -> None:
+    from gateway.serve import PoolLaunch, ServeOptions
+    from tierserve.cli import _pools
+
+    (tmp_path / "tierserve.toml").write_text(CONFIG)
+    config = load_config(tmp_path / "tierserve.toml", env={})
+    launches = _pools(argparse.Namespace(mock=2, model=None), config)
+    assert [(p.name, p.pool.role, p.num_workers, list(p.worker_args)) for p in launches] == [
+        ("mock", "primary", 2, ["--mock"]),  # the first primary is "mock", as with no config
+        ("small", "fallback", 1, ["--mock"]),
+    ]
+    options = ServeOptions("127.0.0.1", 0, launches, config)
+    assert options.fallbacks == {"mock": "small"} and options.primary_name == "mock"
+    clash = PoolLaunch("mock", config.models.pools[1], BytePromptBuilder(), ["--mock"], 1)
+    with pytest.raises(ValueError, match="same model name"):
+        ServeOptions("127.0.0.1", 0, [launches[0], clash], config)
+
+
+def test_a_second_fallback_pool_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "tierserve.toml").write_text(
+        CONFIG + '\n[[models.pools]]\nname = "tiny"\nrole = "fallback"\n'
+    )
+    with pytest.raises(ConfigError, match=r"models\.pools\[2\]\.role: only one pool"):
+        load_config(tmp_path / "tierserve.toml", env={})
