@@ -107,8 +107,8 @@ async def _serve(options: ServeOptions) -> int:
     drainer: asyncio.Task[None] | None = None
     try:
         for launch in options.pools:
-            _say(f"starting {launch.num_workers} worker(s) of {launch.name!r} ({launch.pool.role}) "
-                 f"on {dispatcher.address}")  # fmt: skip
+            _say(f"starting {launch.num_workers} worker(s) of {launch.name!r} on {dispatcher.address} "
+                 f"({launch.pool.role} pool)")  # fmt: skip
             workers += [
                 _spawn(dispatcher.address, i, launch, options.config) for i in range(launch.num_workers)
             ]
