@@ -4,6 +4,7 @@ JSON object; ``--record`` also writes it into the scenario's block in docs/bench
     tierserve bench engine --json                       engine in-process vs Hugging Face generate
     tierserve bench gateway-overhead --json [--mock N]   the whole stack vs the engine in-process
     tierserve bench load-smoke --json [--record]         tierserve load against serve --mock 2
+    tierserve bench tiers --json [--record]              fcfs vs the tiered set at 2x saturation
 
 Arguments after the scenario's name that ``bench`` does not know go to the scenario
 (``tierserve bench engine --num-requests 8``). A new scenario is one entry in ``SCENARIOS``.
@@ -43,6 +44,12 @@ def _gateway_overhead(argv: list[str]) -> dict[str, object]:
     return gateway_overhead.run(gateway_overhead.parse_args(argv))
 
 
+def _tiers(argv: list[str]) -> dict[str, object]:
+    from loadtest import tiers_bench
+
+    return tiers_bench.run(tiers_bench.parse_args(argv))
+
+
 def _load_smoke(argv: list[str]) -> dict[str, object]:
     from loadtest import load_smoke
 
@@ -55,6 +62,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("engine", "our engine in-process vs Hugging Face generate, and the roofline", _engine),
         Scenario("gateway-overhead", "the whole stack vs the engine in-process", _gateway_overhead),
         Scenario("load-smoke", "tierserve load against serve --mock: per-tier figures", _load_smoke),
+        Scenario("tiers", "fcfs vs the tiered policy set at 2x saturation, one run", _tiers),
     )
 }
 

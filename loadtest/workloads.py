@@ -5,6 +5,8 @@
     long-context   long prompts, short answers
     mixed-tiers    interactive / standard / batch in a 5:3:2 mix, each with its own length profile;
                    the tier travels in the ``X-SLA-Tier`` header
+    interactive-batch  30% interactive, 70% batch (the ``tiers`` benchmark's mix): chat-sized
+                   interactive requests beside batch jobs with longer prompts
     dataset        your own JSONL (``--dataset``): {"messages": [...]} or {"prompt": "..."}, optionally
                    "max_tokens" and "tier"; requests cycle through the file in order
 
@@ -63,12 +65,17 @@ TIER_MIX: dict[str, tuple[float, Profile]] = {
     "standard": (0.3, Profile((256, 1024), (64, 256))),
     "batch": (0.2, Profile((1024, 2048), (128, 256))),
 }
+INTERACTIVE_BATCH_MIX: dict[str, tuple[float, Profile]] = {
+    "interactive": (0.3, Profile((32, 256), (32, 128))),
+    "batch": (0.7, Profile((256, 1024), (64, 256))),
+}
+MIXES = {"mixed-tiers": TIER_MIX, "interactive-batch": INTERACTIVE_BATCH_MIX}
 PROFILES: dict[str, Profile] = {
     "chat": Profile((32, 256), (16, 256)),
     "shared-prefix": Profile((16, 64), (32, 128)),  # the user's part; the prefix comes on top
     "long-context": Profile((2048, 3584), (32, 128)),
 }
-WORKLOADS = ("chat", "shared-prefix", "long-context", "mixed-tiers", "dataset")
+WORKLOADS = ("chat", "shared-prefix", "long-context", "mixed-tiers", "interactive-batch", "dataset")
 SYSTEM_HINT = "You are a helpful assistant."
 
 
@@ -101,10 +108,11 @@ class Workload:
         if self.name == "dataset":
             return self._from_dataset(index, rng)
         tier: str | None = None
-        if self.name == "mixed-tiers":
-            names = list(TIER_MIX)
-            tier = rng.choices(names, weights=[TIER_MIX[n][0] for n in names])[0]
-            profile = TIER_MIX[tier][1]
+        mix = MIXES.get(self.name)
+        if mix is not None:
+            names = list(mix)
+            tier = rng.choices(names, weights=[mix[n][0] for n in names])[0]
+            profile = mix[tier][1]
         else:
             profile = PROFILES[self.name]
         prompt_range = self.options.prompt_len or profile.prompt
@@ -206,5 +214,6 @@ DESCRIPTIONS: Mapping[str, str] = {
     "shared-prefix": "a few long system prompts shared by many users",
     "long-context": "long prompts, short answers",
     "mixed-tiers": "interactive/standard/batch 5:3:2, each with its own lengths, X-SLA-Tier per request",
+    "interactive-batch": "interactive/batch 3:7 (the tiers benchmark's mix), X-SLA-Tier per request",
     "dataset": "your JSONL file (--dataset)",
 }
