@@ -3,7 +3,15 @@
     submit() ── pick (routing policy) ── Submit ──▶ ROUTER ══▶ worker DEALERs (identity = worker_id)
     RequestStream ◀── asyncio.Queue per request ◀── receive task ◀── TokenBatch / Rejected
                                      registry ◀── receive task ◀── Register / Heartbeat / DrainNotice
-                        WorkerLost ◀── expiry task (no message for heartbeat_timeout_s)
+          migrate, or WorkerLost ◀── expiry task (no message for heartbeat_timeout_s, or requests
+                                     but no engine step for hang_timeout_s), or a new pid registers
+
+Migration: a lost worker's requests are re-sent to a healthy worker of the same model as
+``Submit(epoch + 1, resumed_token_ids = every token already queued for the client)``. The worker
+treats those tokens as generated and sends only what follows, so the stream goes on with nothing lost
+or repeated (exactly so for greedy sampling); the old worker's late deltas carry the old epoch and are
+dropped (and answered with an Abort). After ``max_migrations`` moves, or with no healthy worker left,
+the stream ends with WorkerLost (the client sees an error event), never a hang.
 
 Everything runs on one event loop, so nothing here is locked. Sends are never awaited: they go out with
 DONTWAIT and either succeed at once or fail (ROUTER_MANDATORY turns "that worker is gone" into an error
@@ -23,6 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -82,16 +91,26 @@ class DispatchStats:
     num_stale_deltas: int  # for a request no longer in flight here, an old epoch, or another worker
     num_send_failures: int
     num_workers_lost: int
+    num_migrations: Mapping[str, int]  # by model: requests moved to another worker after losing one
 
 
 class Dispatcher:
     """Owns the ROUTER socket, the worker registry and the in-flight requests of this gateway."""
 
     def __init__(
-        self, bind: str, *, heartbeat_timeout_s: float = 3.0, routing: RoutingPolicy | None = None
+        self,
+        bind: str,
+        *,
+        heartbeat_timeout_s: float = 3.0,
+        hang_timeout_s: float = 30.0,
+        max_migrations: int = 2,
+        routing: RoutingPolicy | None = None,
     ) -> None:
-        """``routing``: the policy that picks a worker per request (least-loaded when not given)."""
+        """``routing``: the policy that picks a worker per request (least-loaded when not given).
+        The other three are ``gateway.heartbeat_timeout_s``, ``hang_timeout_s`` and ``max_migrations``."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.hang_timeout_s = hang_timeout_s
+        self.max_migrations = max_migrations
         self.registry = WorkerRegistry(routing)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -115,6 +134,7 @@ class Dispatcher:
         self._num_stale_deltas = 0
         self._num_send_failures = 0
         self._num_workers_lost = 0
+        self._num_migrations: dict[str, int] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -171,6 +191,7 @@ class Dispatcher:
             num_stale_deltas=self._num_stale_deltas,
             num_send_failures=self._num_send_failures,
             num_workers_lost=self._num_workers_lost,
+            num_migrations=dict(self._num_migrations),
         )
 
     # ---- requests -----------------------------------------------------------------------------
@@ -241,22 +262,57 @@ class Dispatcher:
             worker.in_flight_ids.discard(request.request_id)
 
     def _fail_over(self, request: InFlight, reason: str) -> None:
-        """The worker running ``request`` is gone. The migration hook: for now the stream ends with
-        WorkerLost; later this re-submits ``request.submit`` elsewhere with ``epoch + 1`` and
-        ``resumed_token_ids=request.token_ids`` (the epoch check already drops the old worker's tokens)."""
+        """The worker running ``request`` is gone: move the request to another worker, or end its
+        stream with WorkerLost when it may not move again or nowhere can take it."""
+        lost_worker_id = request.worker_id
         self._forget(request)
-        request.queue.put_nowait(WorkerLost(request.worker_id, request.request_id, reason))
+        why_not = self._migrate(request)
+        if why_not is not None:
+            log.warning("request %s not migrated: %s", request.request_id, why_not)
+            request.queue.put_nowait(WorkerLost(lost_worker_id, request.request_id, f"{reason}; {why_not}"))
+
+    def _migrate(self, request: InFlight) -> str | None:
+        """Re-send ``request`` with ``epoch + 1``, resuming after the tokens already queued for its
+        client; None once placed, else why it could not be."""
+        if request.num_migrations >= self.max_migrations:
+            return f"it already moved {request.num_migrations} times (gateway.max_migrations)"
+        submit = request.submit
+        if len(request.token_ids) >= submit.sampling.max_tokens:
+            # Its last token arrived without a finish (cannot happen with our workers): nothing to resume.
+            return "every token it may generate was already sent"
+        request.submit = msgspec.structs.replace(
+            submit, epoch=submit.epoch + 1, resumed_token_ids=list(request.token_ids)
+        )
+        request.num_migrations += 1
+        try:
+            placed = self._place(request, exclude=set())
+        except RoutingError:
+            log.exception("routing failed migrating request %s", request.request_id)
+            placed = False
+        if not placed:
+            return f"no healthy worker of model {request.model!r} to move it to"
+        self._num_migrations[request.model] = self._num_migrations.get(request.model, 0) + 1
+        log.info(
+            "request %s migrated to worker %s (epoch %d, resuming after %d tokens)",
+            request.request_id,
+            request.worker_id,
+            request.submit.epoch,
+            len(request.token_ids),
+        )
+        return None
 
     def _on_worker_lost(self, worker: WorkerInfo, request_ids: set[str], reason: str) -> None:
         self._num_workers_lost += 1
         log.warning("worker %s lost (%s); %d requests in flight", worker.worker_id, reason, len(request_ids))
-        for request_id in list(request_ids):
+        # A snapshot: a migration may place a request back on this worker (a new process that re-registered).
+        lost = list(request_ids)
+        request_ids.clear()
+        for request_id in lost:
             request = self._requests.get(request_id)
             if request is not None and request.worker_id == worker.worker_id:
                 # Best effort: a worker that was only stalled frees the blocks when it wakes.
                 self._send(worker.worker_id, Abort(request_id=request_id, epoch=request.submit.epoch))
                 self._fail_over(request, reason)
-        request_ids.clear()
 
     # ---- sockets ------------------------------------------------------------------------------
 
@@ -288,13 +344,21 @@ class Dispatcher:
                 log.exception("unexpected error handling a worker message; dropped")
 
     async def _expire_loop(self) -> None:
+        # A quarter of the shorter timeout: a worker is ejected at most 1.25x its timeout after it stops.
+        interval_s = min(self.heartbeat_timeout_s, self.hang_timeout_s) / 4
         while True:
-            await asyncio.sleep(self.heartbeat_timeout_s / 4)
-            dead = self.registry.expire(time.monotonic(), self.heartbeat_timeout_s)
-            for worker in dead:
-                reason = f"no message for {self.heartbeat_timeout_s} s"
+            await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            silent = self.registry.expire(now, self.heartbeat_timeout_s)
+            for worker in silent:
+                self._on_worker_lost(
+                    worker, worker.in_flight_ids, f"no message for {self.heartbeat_timeout_s} s"
+                )
+            hung = self.registry.expire_hung(now, self.hang_timeout_s)
+            for worker in hung:
+                reason = f"requests but no engine step for {self.hang_timeout_s} s"
                 self._on_worker_lost(worker, worker.in_flight_ids, reason)
-            if dead:
+            if silent or hung:
                 self._notify()
 
     def add_listener(self, callback: Callable[[], None]) -> None:
@@ -363,7 +427,11 @@ class Dispatcher:
     def _on_delta(self, worker_id: str, delta: TokenDelta) -> None:
         request = self._requests.get(delta.request_id)
         if request is None or request.submit.epoch != delta.epoch or request.worker_id != worker_id:
-            self._num_stale_deltas += 1  # aborted, failed over, or finished: nobody waits for it
+            self._num_stale_deltas += 1  # aborted, migrated, or finished: nobody waits for it
+            if delta.finish_reason is None:
+                # Still running there (an ejected worker that woke up, or our Abort was lost with the
+                # link): stop it. The epoch keeps this from touching a newer attempt on that worker.
+                self._send(worker_id, Abort(request_id=delta.request_id, epoch=delta.epoch))
             return
         request.token_ids.extend(delta.token_ids)
         if delta.finish_reason is not None:

@@ -14,7 +14,7 @@ Read at scrape (from admission, the dispatcher and the workers' last heartbeats)
     tierserve_worker_up{worker,model,state}, tierserve_worker_requests_running / _waiting,
     tierserve_worker_kv_blocks_free / _total, tierserve_worker_step_time_seconds,
     tierserve_worker_preemptions_total, tierserve_wire_frames_dropped_total{reason},
-    tierserve_workers_lost_total
+    tierserve_workers_lost_total, tierserve_migrations_total{model}
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ class GatewayMetrics:
             "tierserve_wire_frames_dropped_total", "Frames from workers dropped at the gateway.", ("reason",)
         )
         self.workers_lost = r.counter("tierserve_workers_lost_total", "Workers declared lost.")
+        self.migrations = r.counter(
+            "tierserve_migrations_total", "Requests moved to another worker after losing theirs.", ("model",)
+        )
 
     def watch(self, dispatcher: Dispatcher, admissions: AdmissionBook) -> None:
         """Refresh the scrape-time figures from ``dispatcher`` and ``admissions`` on every render."""
@@ -118,5 +121,7 @@ class GatewayMetrics:
             ):
                 self.frames_dropped.set_total(reason, total=total)
             self.workers_lost.set_total(total=stats_now.num_workers_lost)
+            for model, total in stats_now.num_migrations.items():
+                self.migrations.set_total(model, total=total)
 
         self.registry.on_collect(collect)

@@ -54,11 +54,12 @@ class RequestTimedOut(DispatchError):
 
 @dataclass(slots=True)
 class InFlight:
-    submit: Submit  # the attempt now running; a failover would replace it with epoch + 1
+    submit: Submit  # the attempt now running; a migration replaces it with epoch + 1
     model: str
     worker_id: str
     queue: asyncio.Queue[TokenDelta | DispatchError]
     token_ids: list[int] = dataclasses.field(default_factory=list)  # output delivered: what to resume from
+    num_migrations: int = 0  # times it moved to another worker after losing one (gateway.max_migrations)
 
     @property
     def request_id(self) -> str:
@@ -68,7 +69,10 @@ class InFlight:
 class RequestStream:
     """Async iterator over one request's TokenDeltas, ending after the one with a finish_reason.
 
-    Raises :class:`WorkerRejected` or :class:`WorkerLost` instead of hanging. Leaving early (``aclose``,
+    A lost worker's requests move to another worker (epoch + 1, resuming after the tokens already
+    queued here), invisibly to the reader; :class:`WorkerLost` only when that is not possible (no
+    healthy worker, or the migration limit reached). Raises :class:`WorkerRejected` or
+    :class:`WorkerLost` instead of hanging. Leaving early (``aclose``,
     ``async with``, or the consuming task being cancelled while it waits) aborts the request on its
     worker, which frees its KV blocks. Breaking out of a bare ``async for`` does not: use ``async with``.
     """

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from gateway.tokenizer import PromptBuilder
 from gateway.workers import WorkerState
 from policies.base import PolicyKind
 from policies.registry import load_policy
+from telemetry import Telemetry, TelemetryConfigError, configure
 from wire.config import ModelPool, ServerConfig
 
 WORKER_STOP_TIMEOUT_S = 10.0
@@ -96,11 +98,25 @@ class _Server(uvicorn.Server):
 
 
 def serve(options: ServeOptions) -> int:
-    return asyncio.run(_serve(options))
+    try:
+        telemetry = configure(options.config.telemetry.service_name, "gateway")
+    except TelemetryConfigError as exc:
+        _say(f"error: {exc}")
+        return 2
+    try:
+        return asyncio.run(_serve(options, telemetry))
+    finally:
+        telemetry.shutdown()  # flush the last spans
 
 
-async def _serve(options: ServeOptions) -> int:
-    dispatcher = Dispatcher("tcp://127.0.0.1:0")
+async def _serve(options: ServeOptions, telemetry: Telemetry | None = None) -> int:
+    limits = options.config.gateway
+    dispatcher = Dispatcher(
+        "tcp://127.0.0.1:0",
+        heartbeat_timeout_s=limits.heartbeat_timeout_s,
+        hang_timeout_s=limits.hang_timeout_s,
+        max_migrations=limits.max_migrations,
+    )
     await dispatcher.start()
     workers: list[subprocess.Popen[bytes]] = []
     waiter: asyncio.Task[bool] | None = None
@@ -113,7 +129,8 @@ async def _serve(options: ServeOptions) -> int:
                 _spawn(dispatcher.address, i, launch, options.config) for i in range(launch.num_workers)
             ]
         builders = {launch.name: launch.builder for launch in options.pools}
-        gateway = Gateway(dispatcher, options.config, builders, int(time.time()), fallbacks=options.fallbacks)
+        gateway = Gateway(dispatcher, options.config, builders, int(time.time()), fallbacks=options.fallbacks,
+                          telemetry=telemetry or Telemetry.off())  # fmt: skip
         config = uvicorn.Config(
             create_app(gateway), host=options.host, port=options.port, log_level=options.log_level,
             lifespan="off", timeout_graceful_shutdown=5,
@@ -238,7 +255,17 @@ def _spawn(address: str, index: int, launch: PoolLaunch, config: ServerConfig) -
         "--worker-id", f"{launch.name}-{index}", "--served-name", launch.name, *pool_args(launch.pool),
         *policies_arg(config), *launch.worker_args,
     ]  # fmt: skip
-    return subprocess.Popen(command, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    return subprocess.Popen(
+        command, env=_worker_env(config), preexec_fn=_die_with_parent if sys.platform == "linux" else None
+    )
+
+
+def _worker_env(config: ServerConfig) -> dict[str, str]:
+    """The workers' environment: ours (so the same OTEL_* variables configure their tracing), with the
+    config's service name unless OTEL_SERVICE_NAME names one."""
+    env = dict(os.environ)
+    env.setdefault("OTEL_SERVICE_NAME", config.telemetry.service_name)
+    return env
 
 
 def _die_with_parent() -> None:

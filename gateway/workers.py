@@ -6,10 +6,15 @@ the ready workers of the model, shown as read-only views to the routing policy (
 
     Register ──▶ READY ──DrainNotice──▶ DRAINING
                    │                        │
-                   └──── no message for timeout_s (expire) ──▶ DEAD ──Register/Heartbeat──▶ READY
+                   ├── no message for timeout_s (expire) ───────────────┐
+                   └── work but no step for hang_timeout_s (expire_hung) ┴─▶ DEAD
+    DEAD ──Register (new process), or a Heartbeat showing progress (a new step, or nothing to do)──▶ READY
 
 Liveness is judged by arrival on the gateway's monotonic clock, never by ``Heartbeat.sent_at``
-(wall clocks do not compare across hosts).
+(wall clocks do not compare across hosts). Progress is judged by ``WorkerStats.num_steps``: the engine
+thread publishes the stats, the socket thread heartbeats them, so a hung engine keeps heartbeating
+with frozen stats, and a stopped process (SIGSTOP) stops heartbeating altogether. An ejected worker is
+readmitted only once a heartbeat proves it is stepping again (or idle), never on its word alone.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from wire.messages import DrainNotice, Heartbeat, Register, WorkerStats
 class WorkerState(enum.Enum):
     READY = "ready"
     DRAINING = "draining"  # finishing what it has, taking nothing new
-    DEAD = "dead"  # stopped talking; its in-flight requests have been failed (or, later, migrated)
+    DEAD = "dead"  # silent or hung: ejected, its in-flight requests migrated (or failed)
 
 
 _STATE_NAMES: dict[WorkerState, WorkerStateName] = {
@@ -47,6 +52,13 @@ class WorkerInfo:
     stats: WorkerStats | None = None  # from the last heartbeat; None until the first one
     heartbeat_seq: int | None = None
     in_flight_ids: set[str] = field(default_factory=set)
+    # Monotonic time of the last heartbeat that showed a new engine step or nothing to do.
+    progress_at: float = 0.0
+    # ``num_steps`` when it was ejected (None: no stats then): readmission needs a step past it.
+    steps_at_ejection: int | None = None
+
+    def __post_init__(self) -> None:
+        self.progress_at = self.last_seen
 
     @property
     def model(self) -> str:
@@ -81,20 +93,26 @@ class WorkerRegistry:
 
         A Register with a new pid is a new process: whatever the old one was running is gone. The same
         pid is a reconnect (the network blinked, or the gateway dropped the link): it still runs its
-        requests and will keep sending their tokens, so they stay in flight.
+        requests and will keep sending their tokens, so they stay in flight (a worker we ejected stays
+        DEAD until a heartbeat shows progress: its requests have already moved).
         """
         info = self._workers.get(message.worker_id)
         if info is None:
             self._workers[message.worker_id] = WorkerInfo(message.worker_id, message, now)
             return set()
         lost: set[str] = set()
-        if info.register.pid != message.pid:
+        is_new_process = info.register.pid != message.pid
+        if is_new_process:
             lost, info.in_flight_ids = info.in_flight_ids, set()
             info.stats = None
             info.heartbeat_seq = None
+            info.progress_at = now
+            info.steps_at_ejection = None
         info.register = message
         info.last_seen = now
-        info.state = WorkerState.READY
+        # The same process dialling again after we ejected it must, as with a heartbeat, show progress.
+        if is_new_process or info.state is not WorkerState.DEAD:
+            info.state = WorkerState.READY
         return lost
 
     def on_heartbeat(self, message: Heartbeat, now: float) -> WorkerInfo | None:
@@ -102,13 +120,20 @@ class WorkerRegistry:
         info = self._workers.get(message.worker_id)
         if info is None:
             return None
-        info.stats = message.stats
+        stats = message.stats
+        is_idle = stats.num_running + stats.num_waiting == 0
+        if is_idle or info.stats is None or stats.num_steps != info.stats.num_steps:
+            info.progress_at = now
+        info.stats = stats
         info.heartbeat_seq = message.seq
         info.last_seen = now
-        if info.state is WorkerState.DEAD:
-            # We gave up on it too early (it was stalled, not gone): its old requests are already
-            # failed, but it can take new ones.
+        if info.state is WorkerState.DEAD and (
+            is_idle or info.steps_at_ejection is None or stats.num_steps > info.steps_at_ejection
+        ):
+            # It was stalled, not gone, and is stepping again: its old requests have moved elsewhere
+            # (and were aborted here), but it can take new ones.
             info.state = WorkerState.READY
+            info.steps_at_ejection = None
         return info
 
     def on_drain(self, message: DrainNotice, now: float) -> WorkerInfo | None:
@@ -173,9 +198,30 @@ class WorkerRegistry:
         newly_dead = []
         for info in self._workers.values():
             if info.state is not WorkerState.DEAD and now - info.last_seen > timeout_s:
-                info.state = WorkerState.DEAD
+                self._eject(info)
                 newly_dead.append(info)
         return newly_dead
+
+    def expire_hung(self, now: float, hang_timeout_s: float) -> list[WorkerInfo]:
+        """Mark dead the workers that still talk but have had requests and no engine step for longer
+        than ``hang_timeout_s`` (by their heartbeats); returns the newly dead ones, as :meth:`expire`."""
+        newly_dead = []
+        for info in self._workers.values():
+            stats = info.stats
+            if (
+                info.state is not WorkerState.DEAD
+                and stats is not None
+                and stats.num_running + stats.num_waiting > 0
+                and now - info.progress_at > hang_timeout_s
+            ):
+                self._eject(info)
+                newly_dead.append(info)
+        return newly_dead
+
+    @staticmethod
+    def _eject(info: WorkerInfo) -> None:
+        info.state = WorkerState.DEAD
+        info.steps_at_ejection = info.stats.num_steps if info.stats is not None else None
 
     def num_in_state(self, state: WorkerState, model: str | None = None) -> int:
         return sum(1 for w in self._workers.values() if w.state is state and model in (None, w.model))

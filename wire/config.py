@@ -84,6 +84,11 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     max_in_flight_factor: Annotated[float, Meta(ge=1.0)] = 2.0
     request_timeout_s: PosFloat = 600.0
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+    # Failure handling (gateway/dispatch.py): a worker silent this long is ejected and its requests
+    # migrate; one with requests but no engine step for hang_timeout_s (a hang) likewise.
+    heartbeat_timeout_s: PosFloat = 3.0
+    hang_timeout_s: PosFloat = 30.0
+    max_migrations: Annotated[int, Meta(ge=0)] = 2  # per request; 0: a lost worker fails its streams
     require_api_key: bool = False
     context_classes: tuple[ContextClass, ...] = DEFAULT_CONTEXT_CLASSES  # ascending max_prompt_tokens
 
@@ -258,6 +263,19 @@ def _validate(config: ServerConfig, fail: _Fail) -> None:
     _validate_tenants(config, fail)
     _validate_pools(config, fail)
     _validate_context_classes(config, fail)
+    _validate_liveness(config, fail)
+
+
+def _validate_liveness(config: ServerConfig, fail: _Fail) -> None:
+    gateway = config.gateway
+    # Progress is only learned from heartbeats: a hang timeout below the silence timeout would judge a
+    # worker on stats older than the check itself.
+    if gateway.hang_timeout_s < gateway.heartbeat_timeout_s:
+        raise fail(
+            "gateway.hang_timeout_s",
+            f"must be at least gateway.heartbeat_timeout_s ({gateway.heartbeat_timeout_s}), "
+            f"got {gateway.hang_timeout_s}",
+        )
 
 
 def _validate_context_classes(config: ServerConfig, fail: _Fail) -> None:

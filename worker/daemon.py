@@ -7,10 +7,13 @@
 Failover continuation (``Submit.resumed_token_ids``): the tokens the client has already seen are
 appended to the prompt the engine runs and ``max_tokens`` is reduced by their count, so the engine
 continues exactly where the old worker stopped (the model sees the same context) and emits only what
-follows them. Usage is reported as the client sees it: those tokens count as completion tokens, not
-prompt tokens. Two approximations, documented rather than hidden: presence/frequency penalties see
-the resumed tokens as prompt (the repetition penalty, which covers prompt and output, is exact), and a
-stop string that straddles the resume point is not matched.
+follows them. The request's detokenizer is then fed those tokens one at a time, as the old worker fed
+its own, and what it yields is thrown away (the client has it): it ends in the old worker's state, so
+a character split across the resume point, text held back as a possible stop string, and a stop string
+straddling the resume point all come out exactly as without the failover. Usage is reported as the
+client sees it: those tokens count as completion tokens, not prompt tokens. One approximation,
+documented rather than hidden: presence/frequency penalties see the resumed tokens as prompt (the
+repetition penalty, which covers prompt and output, is exact).
 
 Drain (``Shutdown(drain=True)`` or SIGTERM): ``DrainNotice`` goes out at once so the gateway stops
 routing here; new Submits get ``Rejected(503)``; in-flight requests run to completion; exit code 0.
@@ -31,6 +34,7 @@ from types import FrameType
 
 import msgspec
 
+from telemetry import Telemetry
 from wire.errors import InvalidRequestError
 from wire.messages import (
     MAX_DELTAS_PER_BATCH,
@@ -53,6 +57,7 @@ from worker.engine import Engine
 from worker.models.store import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
 from worker.outputs import RequestOutput
 from worker.request import FinishReason, TierRef
+from worker.tracing import NULL_OBSERVER, NullObserver, RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +82,12 @@ class WorkerDaemon:
         *,
         heartbeat_interval_s: float = 0.5,
         model_name: str | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
-        """``model_name``: what Register announces; by default the name of ``engine.config.model``."""
+        """``model_name``: what Register announces; by default the name of ``engine.config.model``.
+        ``telemetry``: traces of the requests whose Submit carries a trace context (off by default)."""
         self.engine = engine
+        self._tracing = _observe(engine, telemetry, worker_id)
         self.worker_id = worker_id
         self.model_name = model_name or _model_name(engine.config.model)
         self._requests: dict[str, _Tracked] = {}
@@ -199,7 +207,10 @@ class WorkerDaemon:
         except InvalidRequestError as exc:
             self._reject(submit, 400, exc.field, exc.message)
             return
+        if num_resumed:
+            _replay_detokenizer(engine, submit.request_id, submit.resumed_token_ids)
         self._requests[submit.request_id] = _Tracked(submit.epoch, num_resumed)
+        self._tracing.begin(submit, len(submit.prompt_token_ids))
 
     def _reject(self, submit: Submit, status: int, field: str, message: str) -> None:
         self.io.send(
@@ -316,6 +327,28 @@ class WorkerDaemon:
             vocab_size=engine.model_config.vocab_size,
             pid=os.getpid(),
         )
+
+
+def _replay_detokenizer(engine: Engine, request_id: str, resumed_token_ids: list[int]) -> None:
+    """Bring a resumed request's detokenizer to where the old worker's was: the engine built it with no
+    output yet, so without this the first delta would decode the new tokens without their context.
+
+    Token by token, because that is how the engine feeds it (``Engine._process_token``): the hold-back
+    of split characters and stop-string prefixes then matches step for step. Reaches into the engine's
+    per-request state: an ``add_request`` parameter would be the better home, once engine.py is free.
+    """
+    detokenizer = engine._states[request_id].detokenizer
+    for token_id in resumed_token_ids:
+        detokenizer.update([token_id])
+
+
+def _observe(engine: Engine, telemetry: Telemetry | None, worker_id: str) -> NullObserver:
+    """The engine's step observer: request spans when tracing is on, the do-nothing one otherwise."""
+    observer = NULL_OBSERVER
+    if telemetry is not None and telemetry.enabled:
+        observer = RequestTracer(telemetry.tracer, worker_id)
+    engine.observer = observer
+    return observer
 
 
 def _model_name(model: str) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import msgspec
+
 from gateway.workers import WorkerRegistry, WorkerState
 from wire.messages import DrainNotice, Heartbeat, Register, WorkerStats
 
@@ -125,3 +127,44 @@ def test_heartbeat_from_an_unregistered_worker_is_ignored() -> None:
     assert registry.on_heartbeat(_heartbeat("ghost"), 0.0) is None
     assert registry.on_drain(DrainNotice(worker_id="ghost", reason="x"), 0.0) is None
     assert len(registry) == 0
+
+
+def _stepping(worker_id: str, *, steps: int, running: int = 1) -> Heartbeat:
+    heartbeat = _heartbeat(worker_id, running=running)
+    stats = msgspec.structs.replace(heartbeat.stats, num_steps=steps)
+    return msgspec.structs.replace(heartbeat, stats=stats)
+
+
+def test_a_worker_with_requests_but_no_step_is_ejected_as_hung() -> None:
+    registry = _registry("a", "b", "idle", now=0.0)
+    registry.on_heartbeat(_stepping("a", steps=5), 0.0)
+    registry.on_heartbeat(_stepping("b", steps=5), 0.0)
+    registry.on_heartbeat(_stepping("idle", steps=0, running=0), 0.0)
+    for t in (1.0, 2.0, 3.0):  # all three keep heartbeating; only b keeps stepping
+        registry.on_heartbeat(_stepping("a", steps=5), t)
+        registry.on_heartbeat(_stepping("b", steps=5 + int(t)), t)
+        registry.on_heartbeat(_stepping("idle", steps=0, running=0), t)
+    assert registry.expire(now=3.0, timeout_s=1.5) == []  # nobody is silent
+    assert registry.expire_hung(now=2.9, hang_timeout_s=3.0) == []
+    assert [w.worker_id for w in registry.expire_hung(now=3.1, hang_timeout_s=3.0)] == ["a"]
+    assert registry.expire_hung(now=3.2, hang_timeout_s=3.0) == []  # reported once
+    info = registry.get("a")
+    assert info is not None and info.state is WorkerState.DEAD
+
+
+def test_an_ejected_worker_is_readmitted_only_once_it_steps_again_or_is_idle() -> None:
+    registry = _registry("a", "b", now=0.0)
+    registry.on_heartbeat(_stepping("a", steps=7), 0.0)
+    registry.on_heartbeat(_stepping("b", steps=3), 0.0)
+    assert {w.worker_id for w in registry.expire(now=2.0, timeout_s=1.5)} == {"a", "b"}  # SIGSTOP, say
+    registry.on_heartbeat(_stepping("a", steps=7), 2.5)  # awake, but its stats are from before
+    registry.on_register(_register("a", pid=1), 2.5)  # the same process redialling is no proof either
+    assert _picked(registry) is None
+    registry.on_heartbeat(_stepping("a", steps=8), 3.0)  # a new step: it works again
+    assert _picked(registry) == "a"
+    registry.on_heartbeat(_stepping("b", steps=3, running=0), 3.0)  # its requests were aborted: idle
+    assert registry.num_in_state(WorkerState.READY) == 2
+    # A new process is a fresh start whatever its predecessor did.
+    registry.expire(now=10.0, timeout_s=1.5)
+    registry.on_register(_register("b", pid=2), 10.5)
+    assert registry.num_in_state(WorkerState.READY) == 1 and _picked(registry) == "b"
