@@ -5,6 +5,7 @@ JSON object; ``--record`` also writes it into the scenario's block in docs/bench
     tierserve bench gateway-overhead --json [--mock N]   the whole stack vs the engine in-process
     tierserve bench load-smoke --json [--record]         tierserve load against serve --mock 2
     tierserve bench tiers --json [--record]              fcfs vs the tiered set at 2x saturation
+    tierserve bench failover --json [--record]           kill -9 one of 4 mock workers mid-run
 
 Arguments after the scenario's name that ``bench`` does not know go to the scenario
 (``tierserve bench engine --num-requests 8``). A new scenario is one entry in ``SCENARIOS``.
@@ -56,6 +57,12 @@ def _load_smoke(argv: list[str]) -> dict[str, object]:
     return load_smoke.run(load_smoke.parse_args(argv))
 
 
+def _failover(argv: list[str]) -> dict[str, object]:
+    from loadtest import failover_bench
+
+    return failover_bench.run(failover_bench.parse_args(argv))
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -63,6 +70,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("gateway-overhead", "the whole stack vs the engine in-process", _gateway_overhead),
         Scenario("load-smoke", "tierserve load against serve --mock: per-tier figures", _load_smoke),
         Scenario("tiers", "fcfs vs the tiered policy set at 2x saturation, one run", _tiers),
+        Scenario("failover", "serve --mock 4, streams in flight, kill -9 one worker", _failover),
     )
 }
 
