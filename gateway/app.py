@@ -12,12 +12,14 @@ Everything a client can get wrong is a 4xx raised as :class:`APIError` before an
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 import msgspec
+from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -46,6 +48,8 @@ from gateway.sse import ClientDisconnected
 from gateway.state import Gateway, Placement
 from gateway.tokenizer import PromptBuilder, TemplateError, chat_ids_async, text_ids_async
 from gateway.workers import WorkerState
+from telemetry import attributes as attr
+from telemetry.http import ServerSpanMiddleware
 from wire.errors import InvalidRequestError
 from wire.sampling import SamplingParams
 
@@ -63,46 +67,59 @@ CLIENT_CLOSED_REQUEST = 499  # never reaches anyone: the client is gone
 
 def create_app(gateway: Gateway) -> Starlette:
     limits = gateway.config.gateway
+    tracer = gateway.telemetry.tracer  # the API's no-op tracer unless OTEL_* configured an exporter
 
     async def chat(request: Request) -> Response:
-        identity = identify(gateway.config, request.headers)
-        parsed = _parse(decode_chat, await _read_body(request, limits.max_body_bytes))
-        gateway.builder(parsed.model)  # 404 for a model not served here
-        _check(lambda: parsed.check_n(limits.max_n))
-        messages = _check(lambda: [{"role": m.role, "content": m.text()} for m in parsed.messages])
+        server_span = trace.get_current_span()  # telemetry/http.py's, or a no-op one
+        with tracer.start_as_current_span(attr.CLASSIFY) as span:
+            identity = identify(gateway.config, request.headers)
+            parsed = _parse(decode_chat, await _read_body(request, limits.max_body_bytes))
+            gateway.builder(parsed.model)  # 404 for a model not served here
+            _check(lambda: parsed.check_n(limits.max_n))
+            messages = _check(lambda: [{"role": m.role, "content": m.text()} for m in parsed.messages])
 
-        async def tokenize(builder: PromptBuilder) -> list[list[int]]:
-            try:
-                return [await chat_ids_async(builder, messages)]
-            except TemplateError as exc:
-                raise APIError(400, f"messages: {exc}", param="messages") from None
+            async def tokenize(builder: PromptBuilder) -> list[list[int]]:
+                try:
+                    return [await chat_ids_async(builder, messages)]
+                except TemplateError as exc:
+                    raise APIError(400, f"messages: {exc}", param="messages") from None
 
-        placement = gateway.place(parsed.model, identity.tier, seats=parsed.n)
-        placement, prompt_ids = await _tokenized(gateway, placement, tokenize, has_token_ids=False)
-        texts = gateway.token_texts(placement.model) if parsed.logprobs else None
-        renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", placement.model, parsed.include_usage, texts)
+            placement = gateway.place(parsed.model, identity.tier, seats=parsed.n)
+            placement, prompt_ids = await _tokenized(gateway, placement, tokenize, has_token_ids=False)
+            texts = gateway.token_texts(placement.model) if parsed.logprobs else None
+            renderer = ChatRenderer(
+                f"chatcmpl-{uuid.uuid4().hex}", placement.model, parsed.include_usage, texts
+            )
+            _classified(gateway, span, identity, placement, prompt_ids)
+            if gateway.telemetry.capture_content:
+                server_span.set_attribute(attr.GEN_AI_INPUT_MESSAGES, json.dumps(messages))
         return await _answer(request, gateway, identity, parsed, prompt_ids, renderer, placement)
 
     async def completions(request: Request) -> Response:
-        identity = identify(gateway.config, request.headers)
-        parsed = _parse(decode_completion, await _read_body(request, limits.max_body_bytes))
-        gateway.builder(parsed.model)
-        _check(lambda: parsed.check_n(limits.max_n))
-        prompts = _check(lambda: parsed.prompts(limits.max_prompts))
+        server_span = trace.get_current_span()  # telemetry/http.py's, or a no-op one
+        with tracer.start_as_current_span(attr.CLASSIFY) as span:
+            identity = identify(gateway.config, request.headers)
+            parsed = _parse(decode_completion, await _read_body(request, limits.max_body_bytes))
+            gateway.builder(parsed.model)
+            _check(lambda: parsed.check_n(limits.max_n))
+            prompts = _check(lambda: parsed.prompts(limits.max_prompts))
 
-        async def tokenize(builder: PromptBuilder) -> list[list[int]]:
-            return [
-                await text_ids_async(builder, prompt) if isinstance(prompt, str) else list(prompt)
-                for prompt in prompts
-            ]
+            async def tokenize(builder: PromptBuilder) -> list[list[int]]:
+                return [
+                    await text_ids_async(builder, prompt) if isinstance(prompt, str) else list(prompt)
+                    for prompt in prompts
+                ]
 
-        placement = gateway.place(parsed.model, identity.tier, seats=parsed.n * len(prompts))
-        has_ids = any(not isinstance(prompt, str) for prompt in prompts)
-        placement, prompt_ids = await _tokenized(gateway, placement, tokenize, has_token_ids=has_ids)
-        texts = gateway.token_texts(placement.model) if parsed.logprobs is not None else None
-        renderer = CompletionRenderer(
-            f"cmpl-{uuid.uuid4().hex}", placement.model, parsed.include_usage, texts
-        )
+            placement = gateway.place(parsed.model, identity.tier, seats=parsed.n * len(prompts))
+            has_ids = any(not isinstance(prompt, str) for prompt in prompts)
+            placement, prompt_ids = await _tokenized(gateway, placement, tokenize, has_token_ids=has_ids)
+            texts = gateway.token_texts(placement.model) if parsed.logprobs is not None else None
+            renderer = CompletionRenderer(
+                f"cmpl-{uuid.uuid4().hex}", placement.model, parsed.include_usage, texts
+            )
+            _classified(gateway, span, identity, placement, prompt_ids)
+            if gateway.telemetry.capture_content:
+                server_span.set_attribute(attr.GEN_AI_INPUT_MESSAGES, json.dumps(prompts))
         return await _answer(request, gateway, identity, parsed, prompt_ids, renderer, placement)
 
     async def models(request: Request) -> Response:
@@ -145,8 +162,40 @@ def create_app(gateway: Gateway) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
         ],
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_bug},
-        middleware=[Middleware(DrainMiddleware, drain=gateway.drain, paths=COMPLETION_PATHS)],
+        middleware=[
+            # Outermost: a request refused while draining still gets its server span.
+            *_tracing_middleware(gateway),
+            Middleware(DrainMiddleware, drain=gateway.drain, paths=COMPLETION_PATHS),
+        ],
     )
+
+
+def _tracing_middleware(gateway: Gateway) -> list[Middleware]:
+    """The completion routes' server spans, only when tracing is on (off: not even a pass-through)."""
+    if not gateway.telemetry.enabled:
+        return []
+    return [Middleware(ServerSpanMiddleware, tracer=gateway.telemetry.tracer, paths=COMPLETION_PATHS)]
+
+
+def _classified(
+    gateway: Gateway,
+    span: trace.Span,
+    identity: Identity,
+    placement: Placement,
+    prompts: Sequence[Sequence[int]],
+) -> None:
+    """What classification decided, on its span (the server span gets the same from the Job)."""
+    if not span.is_recording():
+        return
+    num_tokens = max(len(p) for p in prompts) if prompts else 0
+    span.set_attributes({
+        attr.TIER: identity.tier.name,
+        attr.TENANT: identity.tenant.name,
+        attr.GEN_AI_REQUEST_MODEL: placement.requested,
+        attr.DEGRADED: placement.is_degraded,
+        attr.PROMPT_TOKENS: sum(len(p) for p in prompts),
+        attr.CONTEXT_CLASS: gateway.config.gateway.context_class(num_tokens) if prompts else "",
+    })  # fmt: skip
 
 
 async def _tokenized(

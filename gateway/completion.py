@@ -12,12 +12,15 @@ whole request: past it the answer is a 504 (or, mid-stream, an error event).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 from starlette.responses import Response
 from starlette.types import Receive
 
@@ -25,10 +28,12 @@ from gateway import errors
 from gateway.admission import Shed, Ticket
 from gateway.errors import APIError
 from gateway.identity import Identity
-from gateway.openai_api import ChoiceResult, Renderer, UsageInfo, finish_reason
+from gateway.openai_api import ChatRenderer, ChoiceResult, Renderer, UsageInfo, finish_reason
 from gateway.request_stream import DispatchError, RequestStream, RequestTimedOut
 from gateway.sse import DONE, ClientDisconnected, EventStreamResponse, event, until_disconnect
 from gateway.state import Gateway
+from telemetry import attributes as attr
+from telemetry import inject
 from wire.messages import TokenDelta, TokenLogprob, Usage
 from wire.sampling import SamplingParams
 
@@ -150,23 +155,29 @@ async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
     labels = (job.model, tier.name)
     if job.is_degraded:
         gateway.metrics.degraded.inc(job.requested_model or job.model, tier.name)
+    server_span = trace.get_current_span()  # the HTTP server span (telemetry/http.py), or a no-op one
+    if server_span.is_recording():
+        server_span.set_attributes(_request_attributes(job))
     admission = gateway.admissions(job.model)
-    try:
-        ticket = await until_disconnect(receive, admission.admit(tier, seats=len(job.choices)))
-    except Shed as exc:
-        gateway.metrics.shed.inc(*labels)
-        gateway.metrics.requests.inc(*labels, "429")
-        raise APIError(
-            429,
-            f"{exc.reason}; retry after {exc.retry_after_s} s",
-            code="overloaded",
-            headers={"retry-after": str(exc.retry_after_s)},
-        ) from None
-    except ClientDisconnected:
-        gateway.metrics.requests.inc(*labels, CLIENT_GONE)
-        raise
+    tracer = gateway.telemetry.tracer
+    with tracer.start_as_current_span(attr.ADMISSION, attributes={attr.SEATS: len(job.choices)}) as admitted:
+        try:
+            ticket = await until_disconnect(receive, admission.admit(tier, seats=len(job.choices)))
+        except Shed as exc:
+            gateway.metrics.shed.inc(*labels)
+            gateway.metrics.requests.inc(*labels, "429")
+            raise APIError(
+                429,
+                f"{exc.reason}; retry after {exc.retry_after_s} s",
+                code="overloaded",
+                headers={"retry-after": str(exc.retry_after_s)},
+            ) from None
+        except ClientDisconnected:
+            gateway.metrics.requests.inc(*labels, CLIENT_GONE)
+            raise
+        admitted.set_attribute(attr.QUEUE_TIME, ticket.waited_s)
     gateway.metrics.queue_time.observe(*labels, value=ticket.waited_s)
-    run = _Run(gateway, job, ticket)
+    run = _Run(gateway, job, ticket, server_span)
     try:
         streams = await until_disconnect(receive, run.start())
         if job.stream:
@@ -194,10 +205,13 @@ def _status_of(exc: BaseException) -> str:
 class _Run:
     """The admitted part of one job: its streams, what each choice has sent, and the bookkeeping."""
 
-    def __init__(self, gateway: Gateway, job: Job, ticket: Ticket) -> None:
+    def __init__(self, gateway: Gateway, job: Job, ticket: Ticket, span: trace.Span) -> None:
         self.gateway = gateway
         self.job = job
         self.ticket = ticket
+        self.span = span  # the server span: the response's attributes go on it in ``finish``
+        self.capture_content = gateway.telemetry.capture_content and span.is_recording()
+        self.worker_ids: list[str] = []
         self.progress = [_Progress() for _ in job.choices]
         self.deadline = asyncio.get_running_loop().time() + gateway.config.gateway.request_timeout_s
         self._finished = False
@@ -210,16 +224,7 @@ class _Run:
         try:
             for choice in job.choices:
                 request_id = f"{job.renderer.request_id}-{choice.index}" if many else job.renderer.request_id
-                streams.append(
-                    await self.gateway.dispatcher.submit(
-                        job.model,
-                        request_id,
-                        choice.prompt_ids,
-                        choice.sampling,
-                        job.identity.tier,
-                        tenant=job.identity.tenant.name,
-                    )
-                )
+                streams.append(await self._dispatch(choice, request_id))
         except BaseException as exc:
             for stream in streams:
                 stream.abort()
@@ -237,6 +242,28 @@ class _Run:
                 raise _as_api_error(exc) from None
             raise
         return fan
+
+    async def _dispatch(self, choice: Choice, request_id: str) -> RequestStream:
+        """Submit one choice inside its dispatch span, whose W3C context travels in the Submit: the
+        worker's spans are its children."""
+        job = self.job
+        tracer = self.gateway.telemetry.tracer
+        dispatched: dict[str, str | int] = {attr.REQUEST_ID: request_id, attr.CHOICE_INDEX: choice.index}
+        with tracer.start_as_current_span(
+            attr.DISPATCH, kind=SpanKind.PRODUCER, attributes=dispatched
+        ) as span:
+            stream = await self.gateway.dispatcher.submit(
+                job.model,
+                request_id,
+                choice.prompt_ids,
+                choice.sampling,
+                job.identity.tier,
+                trace_context=inject(span),
+                tenant=job.identity.tenant.name,
+            )
+            span.set_attribute(attr.WORKER, stream.worker_id)
+        self.worker_ids.append(stream.worker_id)
+        return stream
 
     def _on_delta(self, index: int, delta: TokenDelta) -> None:
         _raise_if_failed(delta)
@@ -292,6 +319,8 @@ class _Run:
             try:
                 async for index, delta in streams:
                     self._on_delta(index, delta)
+                    if self.capture_content:
+                        self.progress[index].text.append(delta.text)
                     for chunk in renderer.chunks(self.job.choices[index].index, delta):
                         yield event(chunk)
                     if self._done():
@@ -326,6 +355,8 @@ class _Run:
         metrics = self.gateway.metrics
         labels = (self.job.model, self.job.identity.tier.name)
         metrics.requests.inc(*labels, status)
+        if self.span.is_recording():
+            self._record_response()
         if status != "200":
             return
         metrics.e2e.observe(*labels, value=time.monotonic() - self.job.arrival)
@@ -339,6 +370,45 @@ class _Run:
         metrics.prompt_tokens.inc(*labels, amount=usage.prompt_tokens)
         metrics.output_tokens.inc(*labels, amount=usage.completion_tokens)
         metrics.cached_tokens.inc(*labels, amount=usage.prompt_tokens_details.cached_tokens)
+
+    def _record_response(self) -> None:
+        """The GenAI response attributes on the server span (usage as far as it got, whatever the end)."""
+        usage = self.usage()
+        reasons = [(p.last.finish_reason if p.last else None) or "none" for p in self.progress]
+        workers = list(dict.fromkeys(self.worker_ids))
+        first = min((p.first_at for p in self.progress if p.first_at is not None), default=None)
+        self.span.set_attributes({
+            attr.GEN_AI_RESPONSE_MODEL: self.job.model,
+            attr.GEN_AI_RESPONSE_ID: self.job.renderer.request_id,
+            attr.GEN_AI_USAGE_INPUT_TOKENS: usage.prompt_tokens,
+            attr.GEN_AI_USAGE_OUTPUT_TOKENS: usage.completion_tokens,
+            attr.GEN_AI_RESPONSE_FINISH_REASONS: reasons,
+            attr.CACHED_TOKENS: usage.prompt_tokens_details.cached_tokens,
+            attr.WORKER: ",".join(workers),
+            attr.MIGRATIONS: 0,  # failover re-submits are not counted here yet
+        })  # fmt: skip
+        if first is not None:
+            self.span.set_attribute(attr.TIME_TO_FIRST_TOKEN, first - self.job.arrival)
+        if self.capture_content:
+            texts = ["".join(p.text) for p in self.progress]
+            self.span.set_attribute(attr.GEN_AI_OUTPUT_MESSAGES, json.dumps(texts))
+
+
+def _request_attributes(job: Job) -> dict[str, str | bool | int | float]:
+    """The GenAI request attributes and ours, for the server span."""
+    sampling = job.choices[0].sampling
+    return {
+        attr.GEN_AI_OPERATION_NAME: "chat" if isinstance(job.renderer, ChatRenderer) else "text_completion",
+        attr.GEN_AI_PROVIDER_NAME: "tierserve",
+        attr.GEN_AI_REQUEST_MODEL: job.requested_model or job.model,
+        attr.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_tokens,
+        attr.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
+        attr.GEN_AI_REQUEST_CHOICE_COUNT: len(job.choices),
+        attr.TIER: job.identity.tier.name,
+        attr.CONTEXT_CLASS: job.context_class,
+        attr.TENANT: job.identity.tenant.name,
+        attr.DEGRADED: job.is_degraded,
+    }
 
 
 def _as_api_error(exc: BaseException) -> APIError:

@@ -22,6 +22,7 @@ from gateway.tokenizer import PromptBuilder
 from gateway.workers import WorkerState
 from policies.degradation import DegradationPolicy, DegradationView, predict_ttft_s
 from policies.registry import load_policy
+from telemetry import Telemetry
 from wire.config import ServerConfig
 from wire.tier import Tier
 
@@ -46,6 +47,7 @@ class Gateway:
     fallbacks: Mapping[str, str] = field(default_factory=dict)  # primary model → its fallback pool's model
     drain: Drain = field(default_factory=Drain)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    telemetry: Telemetry = field(default_factory=Telemetry.off)  # traces: a no-op tracer unless configured
     admissions: AdmissionBook = field(init=False)
     degradation: DegradationPolicy = field(init=False)
     _token_texts: dict[str, TokenTexts] = field(default_factory=dict)

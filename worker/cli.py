@@ -101,6 +101,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from telemetry import TelemetryConfigError, configure
     from worker.daemon import WorkerDaemon
     from worker.engine import Engine
 
@@ -126,14 +127,23 @@ def _worker(args: argparse.Namespace) -> int:
         engine = Engine.from_config(config, policies)
     logging.getLogger(__name__).info("policies: %s", engine.policies.describe())
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    daemon = WorkerDaemon(
-        engine,
-        args.connect,
-        worker_id,
-        heartbeat_interval_s=args.heartbeat_interval,
-        model_name=args.served_name or ("mock" if args.mock else None),
-    )
-    return daemon.run()
+    try:
+        telemetry = configure("tierserve", "worker")  # serve passes its OTEL_* (and service name) down
+    except TelemetryConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        daemon = WorkerDaemon(
+            engine,
+            args.connect,
+            worker_id,
+            heartbeat_interval_s=args.heartbeat_interval,
+            model_name=args.served_name or ("mock" if args.mock else None),
+            telemetry=telemetry,
+        )
+        return daemon.run()
+    finally:
+        telemetry.shutdown()  # flush the last spans before the process goes
 
 
 def _policies(text: str | None) -> WorkerPolicies:

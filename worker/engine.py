@@ -28,6 +28,7 @@ from worker.policy_set import WorkerPolicies
 from worker.request import FinishReason, Request, TierRef
 from worker.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
 from worker.scheduler import Scheduler, SchedulerConfig
+from worker.tracing import NULL_OBSERVER, NullObserver
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class Engine:
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | _tokenizer_eos(tokenizer)
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
+        # Told what each step did, for traces (worker/tracing.py); the null one does nothing at all.
+        self.observer: NullObserver = NULL_OBSERVER
 
     @classmethod
     def from_config(cls, config: EngineConfig, policies: WorkerPolicies | None = None) -> Engine:
@@ -137,6 +140,7 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its blocks go back to the pool. False if unknown."""
         self._states.pop(request_id, None)
+        self.observer.on_abort(request_id)
         return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
 
     def has_unfinished(self) -> bool:
@@ -149,15 +153,19 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        self.observer.on_schedule(out)
         try:
             requests, logits = self.runner.execute(out)
         except Exception:
             # Our mistake: fail this step's requests, keep the engine alive for everyone else.
             log.exception("model step failed for %s", list(out.num_scheduled_tokens))
-            return [self._finish(r, FinishReason.ERROR, error="internal error") for r in out.scheduled]
+            failed = [self._finish(r, FinishReason.ERROR, error="internal error") for r in out.scheduled]
+            self.observer.on_step_done(out, failed)
+            return failed
         self.scheduler.on_step_done(out)
         if not requests:
             self.scheduler.report_step(out, (time.perf_counter() - start) * 1e3)
+            self.observer.on_step_done(out, [])
             return []
         states = [self._states[r.request_id] for r in requests]
         rows = [
@@ -173,6 +181,7 @@ class Engine:
         ]
         # The whole step, as a stream sees it between two tokens: what the budget policy learns from.
         self.scheduler.report_step(out, (time.perf_counter() - start) * 1e3)
+        self.observer.on_step_done(out, outputs)
         return outputs
 
     def _process_token(
