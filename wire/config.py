@@ -43,7 +43,14 @@ ENV_PREFIX = "TIERSERVE_"
 CONFIG_PATH_ENV = "TIERSERVE_CONFIG"
 # TIERSERVE_* variables that other parts read; everything else with the prefix must be a config key,
 # so a typo (TIERSERVE_GATEWAY_PORT) fails loudly instead of being silently ignored.
-NON_CONFIG_ENV_VARS = frozenset({"TIERSERVE_CACHE", CONFIG_PATH_ENV})
+NON_CONFIG_ENV_VARS = frozenset(
+    {
+        "TIERSERVE_CACHE",
+        CONFIG_PATH_ENV,
+        "TIERSERVE_FAILOVER_TRIALS",
+        "TIERSERVE_FAILOVER_SEED",
+    }  # the last two: tests/e2e
+)
 
 PosInt = Annotated[int, Meta(ge=1)]
 PosFloat = Annotated[float, Meta(gt=0)]
