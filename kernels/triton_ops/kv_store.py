@@ -47,7 +47,10 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :] & (slot >= 0)
+    # The slot test is broadcast to a block before it joins the mask: Triton 3.9's interpreter rejects
+    # a mask that mixes a block with a scalar condition.
+    slot_ok = (heads * 0 + slot) >= 0
+    mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :] & slot_ok[:, None]
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     dst = heads[:, None].to(tl.int64) * stride_ch + block * stride_cb + offset * stride_cs + dims[None, :]
