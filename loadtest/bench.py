@@ -6,6 +6,7 @@ JSON object; ``--record`` also writes it into the scenario's block in docs/bench
     tierserve bench load-smoke --json [--record]         tierserve load against serve --mock 2
     tierserve bench tiers --json [--record]              fcfs vs the tiered set at 2x saturation
     tierserve bench failover --json [--record]           kill -9 one of 4 mock workers mid-run
+    tierserve bench tracing-overhead --json [--record]   tracing off vs on (100% sampled, OTLP)
 
 Arguments after the scenario's name that ``bench`` does not know go to the scenario
 (``tierserve bench engine --num-requests 8``). A new scenario is one entry in ``SCENARIOS``.
@@ -63,6 +64,12 @@ def _failover(argv: list[str]) -> dict[str, object]:
     return failover_bench.run(failover_bench.parse_args(argv))
 
 
+def _tracing(argv: list[str]) -> dict[str, object]:
+    from loadtest import tracing_bench
+
+    return tracing_bench.run(tracing_bench.parse_args(argv))
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -71,6 +78,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("load-smoke", "tierserve load against serve --mock: per-tier figures", _load_smoke),
         Scenario("tiers", "fcfs vs the tiered policy set at 2x saturation, one run", _tiers),
         Scenario("failover", "serve --mock 4, streams in flight, kill -9 one worker", _failover),
+        Scenario("tracing-overhead", "mock load, tracing off vs on (100%, OTLP)", _tracing),
     )
 }
 

@@ -137,7 +137,7 @@ def _exporter_choice(env: Mapping[str, str], signal: str) -> str | None:
 
 
 def _resource(default_service_name: str, component: str) -> Resource:
-    resource = Resource.create({"tierserve.component": component})
+    resource = Resource.create({"tierserve.component": component, "process.pid": os.getpid()})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: default_service_name}))
     return resource

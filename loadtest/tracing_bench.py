@@ -1,0 +1,254 @@
+"""The ``tracing-overhead`` scenario: the same mock load with tracing off, then on (100% sampled).
+
+    tierserve bench tracing-overhead --json
+
+Starts ``tierserve serve --mock 1`` twice on 127.0.0.1: once with no ``OTEL_*`` variable (tracing off:
+no-op tracer, null engine observer), once with every request sampled and exported over OTLP/HTTP to
+:class:`OtlpCollector`, a collector in this process that decodes each ``ExportTraceServiceRequest``.
+The same seeded closed-loop chat workload runs against both; the figures are output tokens per second
+of each and ``overhead_fraction = 1 - tok_s_on / tok_s_off``, measured in one run.
+
+:class:`OtlpCollector` is also what ``tests/e2e/test_tracing.py`` receives spans with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from loadtest.arrivals import ArrivalSpec
+from loadtest.client import RequestOptions, Target
+from loadtest.launch import log_tail, running_server
+from loadtest.metrics import summarize
+from loadtest.prompt_text import load_tokenizer
+from loadtest.runner import Bounds, run_load
+from loadtest.workloads import Api, Workload, WorkloadOptions
+from wire.config import ServerConfig
+
+READY_TIMEOUT_S = 120.0
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class CollectedSpan:
+    """One span as a collector received it, ids as hex strings (``parent_id`` "" for a root)."""
+
+    trace_id: str
+    span_id: str
+    parent_id: str
+    name: str
+    kind: int  # the proto's SpanKind: 1 internal, 2 server, 3 client, 4 producer, 5 consumer
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, object]
+    events: list[tuple[str, dict[str, object]]]
+    resource: dict[str, object]
+    status_code: int  # 0 unset, 1 ok, 2 error
+
+
+@dataclass
+class OtlpCollector:
+    """A tiny OTLP/HTTP trace receiver on 127.0.0.1 (``POST /v1/traces``, protobuf, gzip or not)."""
+
+    spans: list[CollectedSpan] = field(default_factory=list)
+    num_requests: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _server: ThreadingHTTPServer | None = None
+
+    @property
+    def endpoint(self) -> str:
+        assert self._server is not None, "not started"
+        return f"http://{HOST}:{self._server.server_address[1]}"
+
+    def start(self) -> OtlpCollector:
+        collector = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                if self.headers.get("content-encoding") == "gzip":
+                    body = gzip.decompress(body)
+                if self.path != "/v1/traces":
+                    self.send_error(404)
+                    return
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                collector._add(request)
+                answer = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass  # quiet
+
+        self._server = ThreadingHTTPServer((HOST, 0), Handler)
+        threading.Thread(target=self._server.serve_forever, name="otlp-collector", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def snapshot(self) -> list[CollectedSpan]:
+        with self._lock:
+            return list(self.spans)
+
+    def wait_for(
+        self, predicate: Callable[[list[CollectedSpan]], bool], timeout_s: float
+    ) -> list[CollectedSpan]:
+        """Poll until ``predicate(spans)`` holds; ``TimeoutError`` naming what arrived at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            spans = self.snapshot()
+            if predicate(spans):
+                return spans
+            if time.monotonic() > deadline:
+                names = sorted({s.name for s in spans})
+                raise TimeoutError(
+                    f"collector: condition not met in {timeout_s} s; {len(spans)} spans: {names}"
+                )
+            time.sleep(0.05)  # polling with a deadline, not synchronisation by sleeping
+
+    def _add(self, request: ExportTraceServiceRequest) -> None:
+        received = []
+        for resource_spans in request.resource_spans:
+            resource = {kv.key: _value(kv.value) for kv in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    received.append(
+                        CollectedSpan(
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_id=span.parent_span_id.hex(),
+                            name=span.name,
+                            kind=span.kind,
+                            start_ns=span.start_time_unix_nano,
+                            end_ns=span.end_time_unix_nano,
+                            attributes={kv.key: _value(kv.value) for kv in span.attributes},
+                            events=[
+                                (e.name, {kv.key: _value(kv.value) for kv in e.attributes})
+                                for e in span.events
+                            ],
+                            resource=resource,
+                            status_code=span.status.code,
+                        )
+                    )
+        with self._lock:
+            self.num_requests += 1
+            self.spans.extend(received)
+
+
+def _value(value: AnyValue) -> object:
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(_value(v) for v in value.array_value.values)
+    return getattr(value, kind) if kind is not None else None
+
+
+@contextmanager
+def running_collector() -> Iterator[OtlpCollector]:
+    collector = OtlpCollector().start()
+    try:
+        yield collector
+    finally:
+        collector.close()
+
+
+def tracing_env(endpoint: str) -> dict[str, str]:
+    """The ``OTEL_*`` variables that send every span to ``endpoint`` quickly (100 ms batches)."""
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_METRICS_EXPORTER": "none",
+    }
+
+
+@contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in os.environ for the block (serve and its workers inherit it), restored after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tierserve bench tracing-overhead", description=__doc__)
+    parser.add_argument("--num-requests", type=int, default=160, help="per mode")
+    parser.add_argument("--concurrency", type=int, default=32, help="closed loop")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    config = ServerConfig()
+    with running_collector() as collector, tempfile.TemporaryDirectory(prefix="tracing-bench-") as tmp:
+        tok_s_off = _measure(args, config, Path(tmp) / "off.log", {})
+        tok_s_on = _measure(args, config, Path(tmp) / "on.log", tracing_env(collector.endpoint))
+        spans = collector.snapshot()
+    return {
+        "scenario": "tracing-overhead",
+        "mock_workers": 1,
+        "workload": f"chat, closed loop x{args.concurrency}, {args.num_requests} requests per mode, "
+        f"{args.output_len} output tokens, streamed",
+        "sampling": "always_on (100%)",
+        "exporter": "OTLP/HTTP protobuf to a collector on 127.0.0.1",
+        "tok_s_off": round(tok_s_off, 2),
+        "tok_s_on": round(tok_s_on, 2),
+        "overhead_fraction": round(1 - tok_s_on / tok_s_off, 4),
+        "spans_received": len(spans),
+        "traces_received": len({s.trace_id for s in spans}),
+    }
+
+
+def _measure(args: argparse.Namespace, config: ServerConfig, log_path: Path, env: Mapping[str, str]) -> float:
+    """Output tokens per second of one closed-loop run against a fresh ``serve --mock 1``."""
+    try:
+        with environment(env), running_server(["--mock", "1"], log_path, READY_TIMEOUT_S) as server:
+            target = Target("base", server.base_url, "mock", config.default_tier)
+            options = WorkloadOptions(prompt_len=(64, 128), output_len=(args.output_len, args.output_len))
+            workload = Workload("chat", load_tokenizer("bytes", "mock"), Api.CHAT, args.seed, options)
+            request_options = RequestOptions(Api.CHAT, True, 0.0, True, {}, timeout_s=120.0)
+            bounds = Bounds(args.num_requests, None, args.concurrency)
+            result = asyncio.run(
+                run_load([target], workload, ArrivalSpec(None), args.seed, bounds, request_options)
+            )
+    except BaseException:
+        print(f"[tracing-overhead] the server's log ends with:\n{log_tail(log_path)}", file=sys.stderr)
+        raise
+    records = result.records
+    duration = max(r.t_end for r in records) - min(r.t_sent for r in records)
+    overall = summarize(records, {t.name: t for t in config.tiers}, duration).overall
+    if overall.num_ok != args.num_requests:
+        raise RuntimeError(f"{args.num_requests - overall.num_ok} requests failed; see {log_path}")
+    return overall.output_tok_s
