@@ -8,13 +8,15 @@ the ready workers of the model, shown as read-only views to the routing policy (
                    │                        │
                    ├── no message for timeout_s (expire) ───────────────┐
                    └── work but no step for hang_timeout_s (expire_hung) ┴─▶ DEAD
-    DEAD ──Register (new process), or a Heartbeat showing progress (a new step, or nothing to do)──▶ READY
+    DEAD ──any message that revives (below)──▶ READY
 
 Liveness is judged by arrival on the gateway's monotonic clock, never by ``Heartbeat.sent_at``
 (wall clocks do not compare across hosts). Progress is judged by ``WorkerStats.num_steps``: the engine
 thread publishes the stats, the socket thread heartbeats them, so a hung engine keeps heartbeating
-with frozen stats, and a stopped process (SIGSTOP) stops heartbeating altogether. An ejected worker is
-readmitted only once a heartbeat proves it is stepping again (or idle), never on its word alone.
+with frozen stats, and a stopped process (SIGSTOP) stops heartbeating altogether. Readmission follows
+the reason: a worker ejected for silence is back when it talks again (a heartbeat, or a Register of
+the same process); one ejected for a hang only when a heartbeat shows a new step (or nothing to do),
+since a hung engine keeps talking. A new process (Register with another pid) is always a fresh start.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ class WorkerInfo:
     in_flight_ids: set[str] = field(default_factory=set)
     # Monotonic time of the last heartbeat that showed a new engine step or nothing to do.
     progress_at: float = 0.0
-    # ``num_steps`` when it was ejected (None: no stats then): readmission needs a step past it.
-    steps_at_ejection: int | None = None
+    # Set when ejected for a hang: ``num_steps`` then; readmission needs a step past it.
+    hung_at_step: int | None = None
 
     def __post_init__(self) -> None:
         self.progress_at = self.last_seen
@@ -106,13 +108,14 @@ class WorkerRegistry:
             lost, info.in_flight_ids = info.in_flight_ids, set()
             info.stats = None
             info.heartbeat_seq = None
-            info.progress_at = now
-            info.steps_at_ejection = None
+            info.hung_at_step = None
         info.register = message
         info.last_seen = now
-        # The same process dialling again after we ejected it must, as with a heartbeat, show progress.
         if is_new_process or info.state is not WorkerState.DEAD:
             info.state = WorkerState.READY
+        elif info.hung_at_step is None:
+            self._admit(info, now)  # ejected for silence, and talking again
+        # (The same process dialling again after we ejected it for a hang must show a step first.)
         return lost
 
     def on_heartbeat(self, message: Heartbeat, now: float) -> WorkerInfo | None:
@@ -128,12 +131,11 @@ class WorkerRegistry:
         info.heartbeat_seq = message.seq
         info.last_seen = now
         if info.state is WorkerState.DEAD and (
-            is_idle or info.steps_at_ejection is None or stats.num_steps > info.steps_at_ejection
+            is_idle or info.hung_at_step is None or stats.num_steps > info.hung_at_step
         ):
-            # It was stalled, not gone, and is stepping again: its old requests have moved elsewhere
+            # It was stalled, not gone (or is stepping again): its old requests have moved elsewhere
             # (and were aborted here), but it can take new ones.
-            info.state = WorkerState.READY
-            info.steps_at_ejection = None
+            self._admit(info, now)
         return info
 
     def on_drain(self, message: DrainNotice, now: float) -> WorkerInfo | None:
@@ -198,7 +200,7 @@ class WorkerRegistry:
         newly_dead = []
         for info in self._workers.values():
             if info.state is not WorkerState.DEAD and now - info.last_seen > timeout_s:
-                self._eject(info)
+                info.state = WorkerState.DEAD
                 newly_dead.append(info)
         return newly_dead
 
@@ -214,14 +216,17 @@ class WorkerRegistry:
                 and stats.num_running + stats.num_waiting > 0
                 and now - info.progress_at > hang_timeout_s
             ):
-                self._eject(info)
+                info.state = WorkerState.DEAD
+                info.hung_at_step = stats.num_steps
                 newly_dead.append(info)
         return newly_dead
 
     @staticmethod
-    def _eject(info: WorkerInfo) -> None:
-        info.state = WorkerState.DEAD
-        info.steps_at_ejection = info.stats.num_steps if info.stats is not None else None
+    def _admit(info: WorkerInfo, now: float) -> None:
+        # A fresh grace period: stats from before the ejection must not eject it again at once.
+        info.state = WorkerState.READY
+        info.hung_at_step = None
+        info.progress_at = now
 
     def num_in_state(self, state: WorkerState, model: str | None = None) -> int:
         return sum(1 for w in self._workers.values() if w.state is state and model in (None, w.model))

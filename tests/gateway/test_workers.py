@@ -152,19 +152,31 @@ def test_a_worker_with_requests_but_no_step_is_ejected_as_hung() -> None:
     assert info is not None and info.state is WorkerState.DEAD
 
 
-def test_an_ejected_worker_is_readmitted_only_once_it_steps_again_or_is_idle() -> None:
+def test_a_hung_worker_is_readmitted_only_once_it_steps_again_or_is_idle() -> None:
     registry = _registry("a", "b", now=0.0)
     registry.on_heartbeat(_stepping("a", steps=7), 0.0)
     registry.on_heartbeat(_stepping("b", steps=3), 0.0)
-    assert {w.worker_id for w in registry.expire(now=2.0, timeout_s=1.5)} == {"a", "b"}  # SIGSTOP, say
-    registry.on_heartbeat(_stepping("a", steps=7), 2.5)  # awake, but its stats are from before
-    registry.on_register(_register("a", pid=1), 2.5)  # the same process redialling is no proof either
+    hung = registry.expire_hung(now=31.0, hang_timeout_s=30.0)
+    assert {w.worker_id for w in hung} == {"a", "b"}
+    registry.on_heartbeat(_stepping("a", steps=7), 31.5)  # still talking, still stuck
+    registry.on_register(_register("a", pid=1), 31.5)  # the same process redialling is no proof either
     assert _picked(registry) is None
-    registry.on_heartbeat(_stepping("a", steps=8), 3.0)  # a new step: it works again
+    registry.on_heartbeat(_stepping("a", steps=8), 32.0)  # a new step: it works again
     assert _picked(registry) == "a"
-    registry.on_heartbeat(_stepping("b", steps=3, running=0), 3.0)  # its requests were aborted: idle
+    registry.on_heartbeat(_stepping("b", steps=3, running=0), 32.0)  # its requests were aborted: idle
     assert registry.num_in_state(WorkerState.READY) == 2
-    # A new process is a fresh start whatever its predecessor did.
-    registry.expire(now=10.0, timeout_s=1.5)
-    registry.on_register(_register("b", pid=2), 10.5)
-    assert registry.num_in_state(WorkerState.READY) == 1 and _picked(registry) == "b"
+    # Readmission starts a fresh grace period: its old progress time does not eject it again at once.
+    registry.on_heartbeat(_stepping("a", steps=8), 33.0)
+    assert registry.expire_hung(now=33.0, hang_timeout_s=30.0) == []
+
+
+def test_a_silent_worker_is_readmitted_when_it_talks_again() -> None:
+    registry = _registry("a", "b", "c", now=0.0)
+    for worker_id in ("a", "b", "c"):
+        registry.on_heartbeat(_stepping(worker_id, steps=7), 0.0)
+    assert len(registry.expire(now=2.0, timeout_s=1.5)) == 3  # SIGSTOP, say, or a network partition
+    registry.on_heartbeat(_stepping("a", steps=7), 5.0)  # SIGCONT: its stats are from before the stop
+    registry.on_register(_register("b", pid=1), 5.0)  # its link was dropped meanwhile: it redials
+    registry.on_register(_register("c", pid=2), 5.0)  # a new process under the same id
+    assert registry.num_in_state(WorkerState.READY) == 3
+    assert registry.expire_hung(now=6.0, hang_timeout_s=30.0) == []
