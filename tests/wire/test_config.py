@@ -166,6 +166,12 @@ BAD_FILES = [
     ("[policies]\nrouting = { nam = 'x' }\n", "policies.routing.nam", "unknown key (known: name, params)"),
     ("[policies]\nrouting = 3\n", "policies.routing", "expected a table, got 3"),
     (
+        "[gateway]\nheartbeat_timeout_s = 5.0\nhang_timeout_s = 2.0\n",
+        "gateway.hang_timeout_s",
+        "must be at least gateway.heartbeat_timeout_s (5.0), got 2.0",
+    ),
+    ("[gateway]\nmax_migrations = -1\n", "gateway.max_migrations", ">= 0"),
+    (
         "[[gateway.context_classes]]\nname = 'all'\n[[gateway.context_classes]]\nname = 'x'\n",
         "gateway.context_classes[0].max_prompt_tokens",
         "only the last class may be unbounded",
