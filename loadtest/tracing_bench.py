@@ -203,9 +203,11 @@ def environment(values: Mapping[str, str]) -> Iterator[None]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tierserve bench tracing-overhead", description=__doc__)
-    parser.add_argument("--num-requests", type=int, default=160, help="per mode")
+    parser.add_argument("--num-requests", type=int, default=320, help="measured, per mode")
+    parser.add_argument("--warmup", type=int, default=64, help="requests sent first, not measured")
     parser.add_argument("--concurrency", type=int, default=32, help="closed loop")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="off, on, off, on, ...: order effects cancel")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -213,36 +215,76 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, object]:
     config = ServerConfig()
     with running_collector() as collector, tempfile.TemporaryDirectory(prefix="tracing-bench-") as tmp:
-        tok_s_off = _measure(args, config, Path(tmp) / "off.log", {})
-        tok_s_on = _measure(args, config, Path(tmp) / "on.log", tracing_env(collector.endpoint))
+        runs_off: list[_Measured] = []
+        runs_on: list[_Measured] = []
+        for i in range(args.rounds):
+            runs_off.append(_measure(args, config, Path(tmp) / f"off-{i}.log", {}))
+            runs_on.append(_measure(args, config, Path(tmp) / f"on-{i}.log", tracing_env(collector.endpoint)))
         spans = collector.snapshot()
+    tok_s_off = sum(r.tok_s for r in runs_off) / len(runs_off)
+    tok_s_on = sum(r.tok_s for r in runs_on) / len(runs_on)
+    cpu_off = sum(r.cpu_ms_per_1k_tokens for r in runs_off) / len(runs_off)
+    cpu_on = sum(r.cpu_ms_per_1k_tokens for r in runs_on) / len(runs_on)
     return {
         "scenario": "tracing-overhead",
         "mock_workers": 1,
-        "workload": f"chat, closed loop x{args.concurrency}, {args.num_requests} requests per mode, "
-        f"{args.output_len} output tokens, streamed",
+        "workload": f"chat, closed loop x{args.concurrency}, {args.num_requests} requests per mode "
+        f"after {args.warmup} warm-up requests, {args.output_len} output tokens, streamed",
         "sampling": "always_on (100%)",
         "exporter": "OTLP/HTTP protobuf to a collector on 127.0.0.1",
         "tok_s_off": round(tok_s_off, 2),
         "tok_s_on": round(tok_s_on, 2),
         "overhead_fraction": round(1 - tok_s_on / tok_s_off, 4),
+        "rounds": args.rounds,
+        "tok_s_off_each": [round(r.tok_s, 1) for r in runs_off],
+        "tok_s_on_each": [round(r.tok_s, 1) for r in runs_on],
+        # CPU time of serve and its worker per 1,000 output tokens: steadier than throughput on a shared
+        # machine, and it counts the exporter threads' work even when the cores had time to spare.
+        "cpu_ms_per_1k_tokens_off": round(cpu_off, 1),
+        "cpu_ms_per_1k_tokens_on": round(cpu_on, 1),
+        "cpu_overhead_fraction": round(cpu_on / cpu_off - 1, 4),
         "spans_received": len(spans),
         "traces_received": len({s.trace_id for s in spans}),
     }
 
 
-def _measure(args: argparse.Namespace, config: ServerConfig, log_path: Path, env: Mapping[str, str]) -> float:
-    """Output tokens per second of one closed-loop run against a fresh ``serve --mock 1``."""
+@dataclass(frozen=True, slots=True)
+class _Measured:
+    tok_s: float
+    cpu_ms_per_1k_tokens: float
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (Linux /proc; fields 14 and 15 of ``stat``)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _measure(
+    args: argparse.Namespace, config: ServerConfig, log_path: Path, env: Mapping[str, str]
+) -> _Measured:
+    """Output tokens per second (and CPU per token) of one closed-loop run against a fresh serve."""
     try:
         with environment(env), running_server(["--mock", "1"], log_path, READY_TIMEOUT_S) as server:
             target = Target("base", server.base_url, "mock", config.default_tier)
             options = WorkloadOptions(prompt_len=(64, 128), output_len=(args.output_len, args.output_len))
             workload = Workload("chat", load_tokenizer("bytes", "mock"), Api.CHAT, args.seed, options)
             request_options = RequestOptions(Api.CHAT, True, 0.0, True, {}, timeout_s=120.0)
+            # A warm-up first (imports, caches, the first batches of spans), then the measured run.
+            warmup = Bounds(args.warmup, None, args.concurrency)
+            asyncio.run(
+                run_load([target], workload, ArrivalSpec(None), args.seed + 1, warmup, request_options)
+            )
             bounds = Bounds(args.num_requests, None, args.concurrency)
+            pids = [server.process.pid, *server.worker_pids()]
+            cpu_before = _cpu_s(pids)
             result = asyncio.run(
                 run_load([target], workload, ArrivalSpec(None), args.seed, bounds, request_options)
             )
+            cpu_s = _cpu_s(pids) - cpu_before
     except BaseException:
         print(f"[tracing-overhead] the server's log ends with:\n{log_tail(log_path)}", file=sys.stderr)
         raise
@@ -251,4 +293,5 @@ def _measure(args: argparse.Namespace, config: ServerConfig, log_path: Path, env
     overall = summarize(records, {t.name: t for t in config.tiers}, duration).overall
     if overall.num_ok != args.num_requests:
         raise RuntimeError(f"{args.num_requests - overall.num_ok} requests failed; see {log_path}")
-    return overall.output_tok_s
+    num_tokens = sum(r.num_output_tokens or 0 for r in records)
+    return _Measured(overall.output_tok_s, cpu_s * 1e6 / num_tokens)
