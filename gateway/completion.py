@@ -211,7 +211,7 @@ class _Run:
         self.ticket = ticket
         self.span = span  # the server span: the response's attributes go on it in ``finish``
         self.capture_content = gateway.telemetry.capture_content and span.is_recording()
-        self.worker_ids: list[str] = []
+        self.streams: list[RequestStream] = []  # every choice's, for the span: worker and epoch at the end
         self.progress = [_Progress() for _ in job.choices]
         self.deadline = asyncio.get_running_loop().time() + gateway.config.gateway.request_timeout_s
         self._finished = False
@@ -262,7 +262,7 @@ class _Run:
                 tenant=job.identity.tenant.name,
             )
             span.set_attribute(attr.WORKER, stream.worker_id)
-        self.worker_ids.append(stream.worker_id)
+        self.streams.append(stream)
         return stream
 
     def _on_delta(self, index: int, delta: TokenDelta) -> None:
@@ -375,7 +375,7 @@ class _Run:
         """The GenAI response attributes on the server span (usage as far as it got, whatever the end)."""
         usage = self.usage()
         reasons = [(p.last.finish_reason if p.last else None) or "none" for p in self.progress]
-        workers = list(dict.fromkeys(self.worker_ids))
+        workers = list(dict.fromkeys(stream.worker_id for stream in self.streams))
         first = min((p.first_at for p in self.progress if p.first_at is not None), default=None)
         self.span.set_attributes({
             attr.GEN_AI_RESPONSE_MODEL: self.job.model,
@@ -385,7 +385,7 @@ class _Run:
             attr.GEN_AI_RESPONSE_FINISH_REASONS: reasons,
             attr.CACHED_TOKENS: usage.prompt_tokens_details.cached_tokens,
             attr.WORKER: ",".join(workers),
-            attr.MIGRATIONS: 0,  # failover re-submits are not counted here yet
+            attr.MIGRATIONS: sum(stream.epoch for stream in self.streams),  # each move is epoch + 1
         })  # fmt: skip
         if first is not None:
             self.span.set_attribute(attr.TIME_TO_FIRST_TOKEN, first - self.job.arrival)

@@ -11,12 +11,15 @@ prefill chunks, decode (with its events), finish. The collector is polled with a
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from loadtest.failover_bench import worker_processes
 from loadtest.launch import Server, running_server
 from loadtest.tracing_bench import CollectedSpan, OtlpCollector, running_collector, tracing_env
 from telemetry import attributes as attr
@@ -50,7 +53,8 @@ async def send_all(base_url: str) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=base_url, timeout=DEADLINE_S) as client:
 
         async def one(i: int) -> httpx.Response:
-            body = {"model": "mock", "prompt": prompt(i), "max_tokens": MAX_TOKENS, "stream": i % 4 == 0}
+            body = {"model": "mock", "prompt": prompt(i), "max_tokens": MAX_TOKENS, "stream": i % 4 == 0,
+                    "temperature": 0.5, "ignore_eos": True}  # fmt: skip
             return await client.post("/v1/completions", json=body, headers={"x-sla-tier": "interactive"})
 
         return await asyncio.gather(*(one(i) for i in range(NUM_REQUESTS)))
@@ -89,7 +93,7 @@ def test_one_trace_per_request_across_the_process_boundary(
         assert a[attr.GEN_AI_OPERATION_NAME] == "text_completion"
         assert a[attr.GEN_AI_REQUEST_MODEL] == a[attr.GEN_AI_RESPONSE_MODEL] == "mock"
         assert a[attr.GEN_AI_REQUEST_MAX_TOKENS] == MAX_TOKENS
-        assert a[attr.GEN_AI_REQUEST_TEMPERATURE] == 1.0
+        assert a[attr.GEN_AI_REQUEST_TEMPERATURE] == 0.5
         assert a[attr.GEN_AI_USAGE_INPUT_TOKENS] == PROMPT_LEN
         assert a[attr.GEN_AI_USAGE_OUTPUT_TOKENS] == MAX_TOKENS
         assert a[attr.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
@@ -126,3 +130,56 @@ def test_one_trace_per_request_across_the_process_boundary(
         resumed += events.count(attr.EVENT_RESUMED)
         assert request.attributes[attr.PREEMPTIONS] == events.count(attr.EVENT_PREEMPTED)
     assert preempted >= 1 and resumed == preempted  # forced by the small cache; every victim came back
+
+
+FAILOVER_CONFIG = """
+[gateway]
+heartbeat_timeout_s = 1.5
+"""
+FAILOVER_TOKENS = 800  # ~4 s of 5 ms mock steps: the stream is still running when its worker is killed
+
+
+def test_a_migrated_request_stays_one_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL the worker running a stream: the request moves (epoch 1) and its trace says so."""
+    (tmp_path / "tierserve.toml").write_text(FAILOVER_CONFIG)
+    args = ["--mock", "2", "--config", str(tmp_path / "tierserve.toml")]
+    with running_collector() as collector:
+        for name, value in tracing_env(collector.endpoint).items():
+            monkeypatch.setenv(name, value)
+        with running_server(args, tmp_path / "serve.log", ready_timeout_s=60) as server:
+            pids = worker_processes(server)
+
+            async def stream_and_kill() -> tuple[int, int]:
+                body = {"model": "mock", "prompt": "tell me", "max_tokens": FAILOVER_TOKENS, "stream": True,
+                        "ignore_eos": True}  # fmt: skip
+                num_chunks = 0
+                async with (
+                    httpx.AsyncClient(base_url=server.base_url, timeout=DEADLINE_S) as client,
+                    client.stream("POST", "/v1/completions", json=body) as response,
+                ):
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            num_chunks += 1
+                        if num_chunks == 1:  # running: find its worker from the exported dispatch span
+                            spans = await asyncio.to_thread(
+                                collector.wait_for,
+                                lambda s: any(x.name == attr.DISPATCH for x in s),
+                                DEADLINE_S,
+                            )
+                            (dispatch,) = [s for s in spans if s.name == attr.DISPATCH]
+                            os.kill(pids[str(dispatch.attributes[attr.WORKER])], signal.SIGKILL)
+                    return response.status_code, num_chunks
+
+            status, num_chunks = asyncio.run(stream_and_kill())
+            assert status == 200 and num_chunks >= 2
+            spans = collector.wait_for(lambda s: any(x.kind == SERVER for x in s), DEADLINE_S)
+    (root,) = [s for s in spans if s.kind == SERVER]
+    (dispatch,) = by_parent(spans, root, attr.DISPATCH)
+    killed = str(dispatch.attributes[attr.WORKER])
+    (survivor,) = set(pids) - {killed}
+    assert root.attributes[attr.MIGRATIONS] == 1 and root.attributes[attr.WORKER] == survivor
+    assert root.attributes[attr.GEN_AI_USAGE_OUTPUT_TOKENS] == FAILOVER_TOKENS
+    # The survivor's part hangs under the same dispatch span (the killed worker's never got exported).
+    (request,) = by_parent(spans, dispatch, attr.WORKER_REQUEST)
+    assert request.attributes[attr.WORKER] == survivor and request.attributes["tierserve.epoch"] == 1
+    assert 0 < int(request.attributes["tierserve.resumed_tokens"]) < FAILOVER_TOKENS  # type: ignore[call-overload]

@@ -82,11 +82,19 @@ def run_traffic(telemetry: Telemetry) -> tuple[list[httpx.Response], Engine]:
                         "prompt": prompt(seed),
                         "max_tokens": NUM_OUTPUT,
                         "stream": stream,
+                        "temperature": 0.5,
+                        "ignore_eos": True,  # sampled, yet always NUM_OUTPUT tokens
                     }
                     return await http.post("/v1/completions", json=body, headers=headers)
 
                 responses.extend(await asyncio.gather(completion(1, False), completion(2, True)))
-                chat = {"model": "mock", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+                chat = {
+                    "model": "mock",
+                    "messages": [{"role": "user", "content": "hello"}],
+                    "max_tokens": 3,
+                    "temperature": 0.5,
+                    "ignore_eos": True,
+                }
                 responses.append(await http.post("/v1/chat/completions", json=chat, headers=headers))
                 responses.append(await http.get("/metrics"))  # not traced
         finally:
@@ -155,7 +163,7 @@ def test_one_trace_from_the_http_span_to_every_prefill_chunk() -> None:
         assert a[attr.GEN_AI_OPERATION_NAME] == ("chat" if is_chat else "text_completion")
         assert a[attr.GEN_AI_REQUEST_MODEL] == a[attr.GEN_AI_RESPONSE_MODEL] == "mock"
         assert a[attr.GEN_AI_REQUEST_MAX_TOKENS] == num_output
-        assert a[attr.GEN_AI_REQUEST_TEMPERATURE] == 1.0
+        assert a[attr.GEN_AI_REQUEST_TEMPERATURE] == 0.5
         assert a[attr.GEN_AI_USAGE_OUTPUT_TOKENS] == num_output
         assert a[attr.GEN_AI_USAGE_INPUT_TOKENS] == (len(CHAT_PROMPT_IDS) if is_chat else 40)
         assert a[attr.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
