@@ -260,6 +260,7 @@ class _Run:
                 job.identity.tier,
                 trace_context=inject(span),
                 tenant=job.identity.tenant.name,
+                cache_salt=job.identity.cache_salt,
             )
             span.set_attribute(attr.WORKER, stream.worker_id)
         self.streams.append(stream)

@@ -6,10 +6,18 @@
 
 Resolved once per request, before the body is read, so a caller without a valid key learns nothing
 about the request it sent. Error messages never echo the key.
+
+The tenant also fixes the request's prefix-cache salt: HMAC-SHA256 of the tenant's name under
+``gateway.cache_salt_secret`` (a random key per process when unset). Workers hash KV blocks with it, so
+one tenant's prompts never hit another tenant's cached blocks (and timing cannot reveal them); a client
+can neither choose nor see it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,10 +29,20 @@ TIER_HEADER = "X-SLA-Tier"
 _BEARER = "bearer "
 
 
+_RANDOM_SALT_KEY = secrets.token_bytes(32)  # when no gateway.cache_salt_secret is configured
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
     tenant: Tenant
     tier: Tier
+    cache_salt: str  # derived from the tenant, never from client input
+
+
+def cache_salt(config: ServerConfig, tenant: Tenant) -> str:
+    secret = config.gateway.cache_salt_secret
+    key = secret.encode() if secret else _RANDOM_SALT_KEY
+    return hmac.new(key, tenant.name.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def identify(config: ServerConfig, headers: Mapping[str, str]) -> Identity:
@@ -38,7 +56,7 @@ def identify(config: ServerConfig, headers: Mapping[str, str]) -> Identity:
         raise APIError(403, str(exc), param=TIER_HEADER, code="tier_not_allowed") from None
     except KeyError as exc:
         raise APIError(400, f"{TIER_HEADER}: {exc.args[0]}", param=TIER_HEADER, code="unknown_tier") from None
-    return Identity(tenant, tier)
+    return Identity(tenant, tier, cache_salt(config, tenant))
 
 
 def _bearer_key(authorization: str | None) -> str | None:

@@ -97,6 +97,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     hang_timeout_s: PosFloat = 30.0
     max_migrations: Annotated[int, Meta(ge=0)] = 2  # per request; 0: a lost worker fails its streams
     require_api_key: bool = False
+    # Key of the per-tenant prefix-cache salt (HMAC-SHA256 of the tenant's name). Unset: a random key
+    # per gateway start. Gateways sharing a fleet should share it, so a tenant's cache follows it.
+    cache_salt_secret: str | None = None
     context_classes: tuple[ContextClass, ...] = DEFAULT_CONTEXT_CLASSES  # ascending max_prompt_tokens
 
     def context_class(self, num_prompt_tokens: int) -> str:

@@ -101,3 +101,19 @@ def test_refuses(
     if status == 401:
         assert error.response().headers["www-authenticate"] == "Bearer"
     assert "nope" not in body.message and "chat-key" not in body.message  # never echoes a key
+
+
+def test_the_cache_salt_is_the_tenants_under_the_server_secret() -> None:
+    chat = identify(KEYED, headers("chat-key"))
+    jobs = identify(KEYED, headers("jobs-key"))
+    assert chat.cache_salt != jobs.cache_salt
+    assert identify(KEYED, headers("chat-key", tier="batch")).cache_salt == chat.cache_salt
+    # Nothing a client sends chooses it: it follows the tenant only.
+    sneaky = Headers({"Authorization": "Bearer chat-key", "X-Cache-Salt": "jobs", "X-SLA-Tier": "standard"})
+    assert identify(KEYED, sneaky).cache_salt == chat.cache_salt
+    # A configured secret makes it stable across gateways; another secret gives another salt.
+    a = msgspec.structs.replace(KEYED, gateway=GatewayConfig(cache_salt_secret="s3cret"))
+    b = msgspec.structs.replace(KEYED, gateway=GatewayConfig(cache_salt_secret="other"))
+    assert identify(a, headers("chat-key")).cache_salt == identify(a, headers("chat-key")).cache_salt
+    assert identify(a, headers("chat-key")).cache_salt != identify(b, headers("chat-key")).cache_salt
+    assert len(chat.cache_salt) == 32
