@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.bootstrapped
 # torch's CPU wheel when no CUDA device is present: an unpinned torch would pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: all bootstrap model serve generate test lint unit bench clean
+.PHONY: all bootstrap model serve generate test test-apm lint unit bench clean
 
 all: test
 
@@ -40,6 +40,14 @@ unit: bootstrap
 
 test: lint model
 	$(PY) -m pytest -q
+
+# Traces into a real APM: Arize Phoenix (~850 MB, its own venv under .cache/) started by the test, which
+# reads the spans back from Phoenix's REST API.
+APM_VENV := .cache/apm-venv
+test-apm: bootstrap
+	@test -x $(APM_VENV)/bin/phoenix || { $(PYTHON) -m venv $(APM_VENV) && \
+		$(APM_VENV)/bin/pip install -q --disable-pip-version-check arize-phoenix; }
+	TIERSERVE_APM_TEST=1 TIERSERVE_APM_PHOENIX=$(APM_VENV)/bin/phoenix $(PY) -m pytest -q tests/e2e/test_tracing.py -k phoenix
 
 # make bench [SCENARIO=engine|gateway-overhead|load-smoke] [RECORD=1]: one JSON object; RECORD=1 also
 # writes it into docs/benchmarks.md.

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import httpx
 import pytest
 
 from loadtest.failover_bench import worker_processes
-from loadtest.launch import Server, running_server
+from loadtest.launch import Server, free_port, running_server
 from loadtest.tracing_bench import CollectedSpan, OtlpCollector, running_collector, tracing_env
 from telemetry import attributes as attr
 
@@ -139,6 +141,12 @@ heartbeat_timeout_s = 1.5
 FAILOVER_TOKENS = 800  # ~4 s of 5 ms mock steps: the stream is still running when its worker is killed
 
 
+def everything_of_the_migration(spans: list[CollectedSpan]) -> bool:
+    """The gateway's server span and the survivor's request span: they come from two processes."""
+    resumed = [s for s in spans if s.name == attr.WORKER_REQUEST and s.attributes.get("tierserve.epoch") == 1]
+    return any(s.kind == SERVER for s in spans) and bool(resumed)
+
+
 def test_a_migrated_request_stays_one_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL the worker running a stream: the request moves (epoch 1) and its trace says so."""
     (tmp_path / "tierserve.toml").write_text(FAILOVER_CONFIG)
@@ -172,7 +180,7 @@ def test_a_migrated_request_stays_one_trace(tmp_path: Path, monkeypatch: pytest.
 
             status, num_chunks = asyncio.run(stream_and_kill())
             assert status == 200 and num_chunks >= 2
-            spans = collector.wait_for(lambda s: any(x.kind == SERVER for x in s), DEADLINE_S)
+            spans = collector.wait_for(everything_of_the_migration, DEADLINE_S)
     (root,) = [s for s in spans if s.kind == SERVER]
     (dispatch,) = by_parent(spans, root, attr.DISPATCH)
     killed = str(dispatch.attributes[attr.WORKER])
@@ -183,3 +191,131 @@ def test_a_migrated_request_stays_one_trace(tmp_path: Path, monkeypatch: pytest.
     (request,) = by_parent(spans, dispatch, attr.WORKER_REQUEST)
     assert request.attributes[attr.WORKER] == survivor and request.attributes["tierserve.epoch"] == 1
     assert 0 < int(request.attributes["tierserve.resumed_tokens"]) < FAILOVER_TOKENS  # type: ignore[call-overload]
+
+
+# ---- a real APM: Arize Phoenix (opt-in: `make test-apm`, or TIERSERVE_APM_TEST=1) ------------------
+
+PHOENIX = os.environ.get(
+    "TIERSERVE_APM_PHOENIX", str(Path(__file__).resolve().parents[2] / ".cache/apm-venv/bin/phoenix")
+)
+PHOENIX_PROJECT = "tierserve-apm"
+PHOENIX_START_TIMEOUT_S = 180.0  # first start migrates its SQLite database
+
+
+def flatten(value: object, prefix: str = "") -> dict[str, object]:
+    """Phoenix returns attributes nested by their dotted path: back to OpenTelemetry's flat keys."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    flat: dict[str, object] = {}
+    for key, inner in value.items():
+        flat.update(flatten(inner, f"{prefix}.{key}" if prefix else key))
+    return flat
+
+
+def phoenix_spans(base_url: str) -> list[dict[str, object]]:
+    spans: list[dict[str, object]] = []
+    cursor: str | None = None
+    while True:
+        params: dict[str, str | int] = {"limit": 1000}
+        if cursor:
+            params["cursor"] = cursor
+        answer = httpx.get(f"{base_url}/v1/projects/{PHOENIX_PROJECT}/spans", params=params, timeout=30)
+        if answer.status_code == 404:
+            return []  # no span has created the project yet
+        answer.raise_for_status()
+        body = answer.json()
+        spans += body["data"]
+        cursor = body.get("next_cursor")
+        if not cursor:
+            return spans
+
+
+@pytest.mark.skipif(os.environ.get("TIERSERVE_APM_TEST") != "1", reason="needs Phoenix: make test-apm")
+def test_phoenix_stores_the_whole_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not Path(PHOENIX).exists():
+        pytest.fail(f"{PHOENIX} not found: `make test-apm` installs Phoenix into .cache/apm-venv")
+    port, grpc_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "PHOENIX_HOST": "127.0.0.1",
+        "PHOENIX_PORT": str(port),
+        "PHOENIX_GRPC_PORT": str(grpc_port),
+        "PHOENIX_WORKING_DIR": str(tmp_path / "phoenix"),
+    }
+    with (tmp_path / "phoenix.log").open("wb") as log:
+        phoenix = subprocess.Popen([PHOENIX, "serve"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + PHOENIX_START_TIMEOUT_S
+        while not _answers(f"{base_url}/healthz"):
+            assert phoenix.poll() is None, (tmp_path / "phoenix.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "Phoenix did not start"
+            time.sleep(0.2)  # polling its health endpoint under a deadline
+        for name in ("TIERSERVE_APM_TEST", "TIERSERVE_APM_PHOENIX"):  # serve reads TIERSERVE_* as config keys
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"{base_url}/v1/traces")
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "tierserve-apm")
+        monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", f"openinference.project.name={PHOENIX_PROJECT}")
+        with running_server(["--mock", "1"], tmp_path / "serve.log", ready_timeout_s=60) as server:
+            responses = asyncio.run(send_all(server.base_url))  # 2 of 8 streamed; forces a preemption
+            assert [r.status_code for r in responses] == [200] * NUM_REQUESTS
+            deadline = time.monotonic() + DEADLINE_S
+            while True:
+                stored = phoenix_spans(base_url)
+                names = [s["name"] for s in stored]
+                if (
+                    names.count(attr.WORKER_REQUEST) == NUM_REQUESTS
+                    and names.count("POST /v1/completions") == NUM_REQUESTS
+                ):
+                    break
+                assert time.monotonic() < deadline, f"Phoenix has {len(stored)} spans: {sorted(set(names))}"  # type: ignore[type-var]
+                time.sleep(0.2)
+    finally:
+        phoenix.terminate()
+        phoenix.wait(timeout=30)
+    spans = [
+        CollectedSpan(
+            trace_id=str(s["context"]["trace_id"]),  # type: ignore[index]
+            span_id=str(s["context"]["span_id"]),  # type: ignore[index]
+            parent_id=str(s.get("parent_id") or ""),
+            name=str(s["name"]),
+            kind=0,
+            start_ns=0,
+            end_ns=0,
+            attributes=flatten(s.get("attributes") or {}),
+            events=[(str(e["name"]), flatten(e.get("attributes") or {})) for e in s.get("events") or []],  # type: ignore[attr-defined]
+            resource={},
+            status_code=0,
+        )
+        for s in stored
+    ]
+    preempted = 0
+    for root in [s for s in spans if s.name == "POST /v1/completions"]:
+        assert root.parent_id == ""
+        a = root.attributes
+        assert a[attr.GEN_AI_OPERATION_NAME] == "text_completion" and a[attr.GEN_AI_REQUEST_MODEL] == "mock"
+        assert (
+            a[attr.GEN_AI_USAGE_INPUT_TOKENS] == PROMPT_LEN
+            and a[attr.GEN_AI_USAGE_OUTPUT_TOKENS] == MAX_TOKENS
+        )
+        assert a[attr.TIER] == "interactive" and a[attr.WORKER] == "mock-0"
+        assert a["http.response.status_code"] == 200
+        for name in (attr.CLASSIFY, attr.ADMISSION):
+            assert len(by_parent(spans, root, name)) == 1
+        (dispatch,) = by_parent(spans, root, attr.DISPATCH)
+        (request,) = by_parent(spans, dispatch, attr.WORKER_REQUEST)  # the worker process's, same trace
+        assert request.attributes[attr.FINISH_REASON] == "length"
+        for name in (attr.WORKER_QUEUE, attr.WORKER_DECODE, attr.WORKER_FINISH):
+            assert len(by_parent(spans, request, name)) == 1
+        assert by_parent(spans, request, attr.WORKER_PREFILL)
+        (decode,) = by_parent(spans, request, attr.WORKER_DECODE)
+        preempted += [name for name, _ in decode.events + request.events].count(attr.EVENT_PREEMPTED)
+    assert preempted >= 1
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
