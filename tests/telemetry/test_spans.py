@@ -236,5 +236,14 @@ def test_tracing_off_installs_nothing() -> None:
     telemetry = Telemetry.off()
     engine = run_traffic(telemetry)[1]  # the same answers, with no observer and no server-span middleware
     assert engine.observer is NULL_OBSERVER
-    gateway = Gateway(Dispatcher("tcp://127.0.0.1:0"), ServerConfig(), {}, 0, telemetry=telemetry)
-    assert not any(m.cls is ServerSpanMiddleware for m in create_app(gateway).user_middleware)
+
+    async def middleware_of(telemetry: Telemetry) -> list[object]:
+        dispatcher = Dispatcher("tcp://127.0.0.1:0")  # binds at once: always closed again
+        try:
+            gateway = Gateway(dispatcher, ServerConfig(), {}, 0, telemetry=telemetry)
+            return [m.cls for m in create_app(gateway).user_middleware]
+        finally:
+            await dispatcher.close()
+
+    assert ServerSpanMiddleware not in asyncio.run(middleware_of(telemetry))
+    assert ServerSpanMiddleware in asyncio.run(middleware_of(traced()[1]))
