@@ -203,12 +203,11 @@ class WorkerDaemon:
                 tier=TierRef(submit.tier.name, submit.tier.rank, submit.tier.ttft_ms, submit.tier.tpot_ms),
                 cache_salt=submit.cache_salt,
                 tenant=submit.tenant,
+                seen_token_ids=submit.resumed_token_ids,
             )
         except InvalidRequestError as exc:
             self._reject(submit, 400, exc.field, exc.message)
             return
-        if num_resumed:
-            _replay_detokenizer(engine, submit.request_id, submit.resumed_token_ids)
         self._requests[submit.request_id] = _Tracked(submit.epoch, num_resumed)
         self._tracing.begin(submit, len(submit.prompt_token_ids))
 
@@ -327,19 +326,6 @@ class WorkerDaemon:
             vocab_size=engine.model_config.vocab_size,
             pid=os.getpid(),
         )
-
-
-def _replay_detokenizer(engine: Engine, request_id: str, resumed_token_ids: list[int]) -> None:
-    """Bring a resumed request's detokenizer to where the old worker's was: the engine built it with no
-    output yet, so without this the first delta would decode the new tokens without their context.
-
-    Token by token, because that is how the engine feeds it (``Engine._process_token``): the hold-back
-    of split characters and stop-string prefixes then matches step for step. Reaches into the engine's
-    per-request state: an ``add_request`` parameter would be the better home, once engine.py is free.
-    """
-    detokenizer = engine._states[request_id].detokenizer
-    for token_id in resumed_token_ids:
-        detokenizer.update([token_id])
 
 
 def _observe(engine: Engine, telemetry: Telemetry | None, worker_id: str) -> NullObserver:

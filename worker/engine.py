@@ -96,8 +96,15 @@ class Engine:
         tier: TierRef | None = None,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        seen_token_ids: Sequence[int] = (),
     ) -> str:
-        """Validate and queue a request; raises :class:`InvalidRequestError` naming the bad field."""
+        """Validate and queue a request; raises :class:`InvalidRequestError` naming the bad field.
+
+        ``seen_token_ids``: the last tokens of ``prompt`` that the client has already received as output
+        (a request resumed after a failover). The detokenizer is brought to where it stood after them,
+        fed token by token as the loop would have, so held-back partial characters and stop-string
+        prefixes come out exactly as the old worker would have sent them.
+        """
         prompt_ids = (
             self.tokenizer.encode(prompt, add_special_tokens=False)
             if isinstance(prompt, str)
@@ -129,9 +136,19 @@ class Engine:
             self.scheduler.add(request)
         except ValueError as exc:
             raise InvalidRequestError("max_tokens", str(exc)) from None
+        num_seen = len(seen_token_ids)
+        if num_seen and (num_seen >= len(prompt_ids) or list(seen_token_ids) != prompt_ids[-num_seen:]):
+            raise InvalidRequestError(
+                "resumed_token_ids", "must be the tail of the prompt, after at least one token"
+            )
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, stop=params.stop, skip_special_tokens=params.skip_special_tokens
+            self.tokenizer,
+            prompt_ids[: len(prompt_ids) - num_seen],
+            stop=params.stop,
+            skip_special_tokens=params.skip_special_tokens,
         )
+        for token_id in seen_token_ids:
+            detokenizer.update([token_id])
         self._states[request_id] = _RequestState(
             request, detokenizer, make_generator(params.seed, self.runner.device)
         )
