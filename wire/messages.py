@@ -120,6 +120,10 @@ class WorkerStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     step_time_ema_ms: float
     num_steps: int
     num_preemptions: int
+    # Cumulative since the worker started (counters for /metrics; a restart starts them again at 0).
+    num_evictions: int = 0  # cached prefix blocks reused for other KV
+    num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    num_prefix_hit_tokens: int = 0  # of those, the ones found cached
 
 
 class Heartbeat(_Message, tag="heartbeat", frozen=True, kw_only=True):

@@ -307,6 +307,9 @@ class WorkerDaemon:
             step_time_ema_ms=self._step_time_ema_ms,
             num_steps=self._num_steps,
             num_preemptions=scheduler.num_preemptions,
+            num_evictions=self.engine.kv_cache.pool.num_evictions,
+            num_prefix_query_tokens=self.engine.kv_cache.num_prefix_queries,
+            num_prefix_hit_tokens=self.engine.kv_cache.num_prefix_hits,
         )
 
     def _register(self) -> Register:
