@@ -274,6 +274,9 @@ class _Run:
             now = time.monotonic()
             if progress.first_at is None:
                 progress.first_at = now
+            if progress.last_at is not None:  # this choice's previous tokens: one inter-token gap
+                labels = (self.job.model, self.job.identity.tier.name)
+                self.gateway.metrics.itl.observe(*labels, value=now - progress.last_at)
             progress.last_at = now
             progress.num_tokens += len(delta.token_ids)
         if delta.logprobs:

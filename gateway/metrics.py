@@ -8,14 +8,17 @@ Two kinds of figures:
     dispatcher drop counters).
 
 Names follow the OpenTelemetry-to-Prometheus conventions: a ``tierserve_`` prefix, base units in the
-name (``_seconds``), ``_total`` on counters. ``docs/observability.md`` lists them with example PromQL.
-Deliberately small and dependency-free: one event loop owns it, so nothing here is locked.
+name (``_seconds``), ``_total`` on counters. ``docs/observability.md`` lists them with example PromQL,
+and the names gateway/instruments.py gives them when it exports the same figures over OTLP.
+Deliberately small and dependency-free: one event loop owns it, so nothing here is locked (a reader on
+another thread, the OTLP exporter's, asks that loop for a copy).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 Labels = tuple[str, ...]
 
@@ -83,6 +86,14 @@ class Counter(_Metric):
         """For counters kept elsewhere (a worker's preemptions): copy the running total at scrape."""
         self._values[self._key(labels)] = total
 
+    def ensure(self, *labels: str) -> None:
+        """A series that exists at 0 before its first event, so ``rate()`` sees the first one."""
+        self._values.setdefault(self._key(labels), 0.0)
+
+    def values(self) -> dict[Labels, float]:
+        """A copy: every series and its total."""
+        return dict(self._values)
+
     def samples(self) -> Iterable[str]:
         for labels, value in sorted(self._values.items()):
             yield f"{self.name}{_format_labels(self.label_names, labels)} {_format_value(value)}"
@@ -100,6 +111,10 @@ class Gauge(_Metric):
 
     def value(self, *labels: str) -> float | None:
         return self._values.get(labels)
+
+    def values(self) -> dict[Labels, float]:
+        """A copy: every series and its value."""
+        return dict(self._values)
 
     def clear(self) -> None:
         """Gauges written at scrape forget series that no longer exist (a removed worker)."""
@@ -120,6 +135,15 @@ class Histogram(_Metric):
         self.buckets = tuple(sorted(buckets or LATENCY_BUCKETS))
         self._counts: dict[Labels, list[int]] = {}  # per bucket, not cumulative; the last is +Inf
         self._sums: dict[Labels, float] = {}
+        self._sinks: list[Callable[[Labels, float], None]] = []  # none unless OTLP export is on
+
+    def add_sink(self, sink: Callable[[Labels, float], None]) -> None:
+        """Every later observation is also handed to ``sink(labels, value)`` (an OpenTelemetry histogram)."""
+        self._sinks.append(sink)
+
+    @property
+    def sinks(self) -> tuple[Callable[[Labels, float], None], ...]:
+        return tuple(self._sinks)
 
     def observe(self, *labels: str, value: float) -> None:
         key = self._key(labels)
@@ -127,9 +151,10 @@ class Histogram(_Metric):
         if counts is None:
             counts = self._counts[key] = [0] * (len(self.buckets) + 1)
             self._sums[key] = 0.0
-        index = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
-        counts[index] += 1
+        counts[bisect_left(self.buckets, value)] += 1  # the first bound >= value: Prometheus' le
         self._sums[key] += value
+        for sink in self._sinks:
+            sink(key, value)
 
     def count(self, *labels: str) -> int:
         return sum(self._counts.get(labels, ()))
@@ -175,12 +200,19 @@ class Registry:
         self._add(metric)
         return metric
 
+    def __iter__(self) -> Iterator[_Metric]:
+        return iter(self._metrics.values())
+
     def on_collect(self, callback: Callable[[], None]) -> None:
         self._collectors.append(callback)
 
-    def render(self) -> str:
+    def collect(self) -> None:
+        """Refresh the scrape-time figures (the ``on_collect`` callbacks)."""
         for collect in self._collectors:
             collect()
+
+    def render(self) -> str:
+        self.collect()
         lines: list[str] = []
         for metric in self._metrics.values():
             lines += metric.header()

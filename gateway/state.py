@@ -66,6 +66,7 @@ class Gateway:
         )
         self.dispatcher.add_listener(self.admissions.capacity_changed)
         self.metrics.watch(self.dispatcher, self.admissions)
+        self.metrics.export(self.telemetry)  # over OTLP too, when OTEL_* configures metrics export
 
     def builder(self, model: str) -> PromptBuilder:
         builder = self.builders.get(model)

@@ -2,15 +2,18 @@
 
     no exporter configured ─▶ Telemetry.off(): the API's no-op tracer, no provider, no thread, no socket
     OTEL_TRACES_EXPORTER=otlp|console, or an OTLP endpoint ─▶ TracerProvider + BatchSpanProcessor
-    OTEL_METRICS_EXPORTER=otlp, or an OTLP endpoint ─▶ MeterProvider + PeriodicExportingMetricReader
+    OTEL_METRICS_EXPORTER=otlp|console, or an OTLP endpoint ─▶ MeterProvider + PeriodicExportingMetricReader
+                                                              (``prometheus``: off, /metrics is always served)
 
 What the SDK reads by itself, and so works as its documentation says: ``OTEL_SERVICE_NAME`` and
 ``OTEL_RESOURCE_ATTRIBUTES`` (the resource), ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``
-(default ``parentbased_always_on``), ``OTEL_BSP_*`` (batching), ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``,
-``_HEADERS``, ``_TIMEOUT``, ``_COMPRESSION``. What we decide here: whether tracing is on at all (the
-spec's default exporter is ``otlp``, but a server that nobody pointed at a collector must not spend a
-thread and a socket retrying ``localhost:4318``), and the protocol (``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``:
-``http/protobuf``, the default, or ``grpc``).
+(default ``parentbased_always_on``), ``OTEL_BSP_*`` (batching), ``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]``
+``ENDPOINT``, ``_HEADERS``, ``_TIMEOUT``, ``_COMPRESSION``, ``OTEL_METRIC_EXPORT_INTERVAL`` (ms, default
+60000) and ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE`` (default cumulative). What we decide
+here: whether each signal is on at all (the spec's default exporter is ``otlp``, but a server that
+nobody pointed at a collector must not spend a thread and a socket retrying ``localhost:4318``), and
+the protocol of each (``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]PROTOCOL``: ``http/protobuf``, the default,
+or ``grpc``). Both signals share one resource.
 
 Providers are not installed globally: the handle carries its tracer, so tests build as many as they like.
 """
@@ -124,10 +127,13 @@ def _exporter_choice(env: Mapping[str, str], signal: str) -> str | None:
     has_endpoint = bool(endpoint)
     if named == "none" or (not named and not has_endpoint):
         return None
+    if signal == "METRICS" and named == "prometheus":
+        return None  # the gateway serves /metrics whatever this says; nothing to push
     if named == "console":
         return "console"
     if named not in ("", "otlp"):
-        raise TelemetryConfigError(f"OTEL_{signal}_EXPORTER={named!r}: expected otlp, console or none")
+        also = ", prometheus" if signal == "METRICS" else ""
+        raise TelemetryConfigError(f"OTEL_{signal}_EXPORTER={named!r}: expected otlp, console{also} or none")
     key = f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL"
     protocol = (env.get(key) or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
     if protocol not in PROTOCOLS:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.metrics import Registry
 
@@ -64,3 +66,37 @@ def test_collectors_refresh_gauges_at_render_time() -> None:
     live.pop("w0")
     live["w1"] = 2.0
     assert parse(registry.render()) == {'t_workers{worker="w1"}': 2.0}
+
+
+@given(st.lists(st.floats(min_value=0, max_value=200, allow_nan=False), max_size=50))
+def test_a_histogram_bucket_counts_every_value_at_or_below_its_bound(values: list[float]) -> None:
+    registry = Registry()
+    latency = registry.histogram("t_seconds", "x", ("tier",), buckets=(0.1, 1.0, 1.0 + 1e-9, 10.0))
+    for value in values:
+        latency.observe("a", value=value)
+    if not values:
+        assert "t_seconds_bucket" not in registry.render()
+        return
+    samples = parse(registry.render())
+    for bound in ("0.1", "1", "1.000000001", "10"):
+        expected = sum(value <= float(bound) for value in values)
+        assert samples[f't_seconds_bucket{{tier="a",le="{bound}"}}'] == expected
+    assert (
+        samples['t_seconds_bucket{tier="a",le="+Inf"}'] == samples['t_seconds_count{tier="a"}'] == len(values)
+    )
+
+
+def test_sinks_see_every_later_observation_and_counters_can_exist_at_zero() -> None:
+    registry = Registry()
+    latency = registry.histogram("t_seconds", "x", ("tier",))
+    shed = registry.counter("t_shed_total", "x", ("tier",))
+    latency.observe("a", value=1.0)
+    seen: list[tuple[tuple[str, ...], float]] = []
+    latency.add_sink(lambda labels, value: seen.append((labels, value)))
+    latency.observe("b", value=2.0)
+    assert seen == [(("b",), 2.0)] and latency.count("a") == latency.count("b") == 1
+    shed.ensure("a")
+    shed.inc("b")
+    shed.ensure("b")  # never lowers a series that exists
+    assert shed.values() == {("a",): 0.0, ("b",): 1.0}
+    assert 't_shed_total{tier="a"} 0' in registry.render()

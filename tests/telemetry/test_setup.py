@@ -17,6 +17,7 @@ OTEL_VARS = (
     "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
     "OTEL_EXPORTER_OTLP_PROTOCOL",
     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
     "OTEL_SERVICE_NAME",
     "OTEL_RESOURCE_ATTRIBUTES",
     "OTEL_TRACES_SAMPLER",
@@ -93,6 +94,46 @@ def test_grpc_and_the_per_signal_variables(monkeypatch: pytest.MonkeyPatch) -> N
         telemetry.shutdown()
 
 
+def test_metrics_alone_with_their_own_endpoint_and_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    telemetry = configured(
+        monkeypatch,
+        OTEL_METRICS_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_METRICS_ENDPOINT="http://127.0.0.1:9",
+        OTEL_EXPORTER_OTLP_METRICS_PROTOCOL="grpc",
+        OTEL_SERVICE_NAME="my-llm",
+    )
+    try:
+        assert telemetry.metrics_exporter == "otlp:grpc" and telemetry.traces_exporter == "off"
+        assert not telemetry.enabled and isinstance(telemetry.tracer, trace.NoOpTracer)  # no tracing
+        assert telemetry.meter_provider is not None
+        resource = telemetry.meter_provider._sdk_config.resource.attributes  # type: ignore[attr-defined]
+        assert resource[SERVICE_NAME] == "my-llm" and resource["tierserve.component"] == "gateway"
+    finally:
+        telemetry.shutdown()
+
+
+def test_traces_and_metrics_share_one_resource(monkeypatch: pytest.MonkeyPatch) -> None:
+    telemetry = configured(monkeypatch, OTEL_EXPORTER_OTLP_ENDPOINT=ENDPOINT,
+                           OTEL_RESOURCE_ATTRIBUTES="deployment.environment=test")  # fmt: skip
+    try:
+        assert telemetry.tracer_provider is not None and telemetry.meter_provider is not None
+        metrics_resource = telemetry.meter_provider._sdk_config.resource  # type: ignore[attr-defined]
+        assert metrics_resource == telemetry.tracer_provider.resource
+        assert metrics_resource.attributes["deployment.environment"] == "test"
+    finally:
+        telemetry.shutdown()
+
+
+@pytest.mark.parametrize("exporter", ["none", "prometheus"])
+def test_metrics_off_while_traces_go_out(monkeypatch: pytest.MonkeyPatch, exporter: str) -> None:
+    """``prometheus``: the standard value for a pull exporter; /metrics is always served, nothing to push."""
+    telemetry = configured(monkeypatch, OTEL_EXPORTER_OTLP_ENDPOINT=ENDPOINT, OTEL_METRICS_EXPORTER=exporter)
+    try:
+        assert telemetry.enabled and telemetry.meter_provider is None and telemetry.metrics_exporter == "off"
+    finally:
+        telemetry.shutdown()
+
+
 def test_the_sampler_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     telemetry = configured(
         monkeypatch,
@@ -114,6 +155,9 @@ def test_the_sampler_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
          "OTEL_EXPORTER_OTLP_PROTOCOL"),
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "thrift"},
          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"),
+        ({"OTEL_METRICS_EXPORTER": "statsd"}, "OTEL_METRICS_EXPORTER"),
+        ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": ENDPOINT, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "json"},
+         "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"),
     ],
 )  # fmt: skip
 def test_what_we_cannot_honour_is_an_error_naming_the_variable(
