@@ -181,7 +181,7 @@ async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
     try:
         streams = await until_disconnect(receive, run.start())
         if job.stream:
-            return EventStreamResponse(run.events(streams), job.headers, on_close=run.closer(streams))
+            return EventStreamResponse(run.events(streams), run.headers(), on_close=run.closer(streams))
         body = await until_disconnect(receive, run.collect(streams))
     except BaseException as exc:
         run.finish(_status_of(exc))
@@ -190,7 +190,7 @@ async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
     return Response(
         msgspec.json.encode(body),
         media_type="application/json",
-        headers=job.headers,
+        headers=run.headers(),
     )
 
 
@@ -215,6 +215,10 @@ class _Run:
         self.progress = [_Progress() for _ in job.choices]
         self.deadline = asyncio.get_running_loop().time() + gateway.config.gateway.request_timeout_s
         self._finished = False
+
+    def headers(self) -> dict[str, str]:
+        """The job's headers, and ``x-tierserve-worker``: the worker(s) its choices were placed on."""
+        return {**self.job.headers, "x-tierserve-worker": ",".join(s.worker_id for s in self.streams)}
 
     async def start(self) -> ChoiceStreams:
         """Submit every choice and wait for each one's first delta."""
@@ -263,6 +267,12 @@ class _Run:
                 cache_salt=job.identity.cache_salt,
             )
             span.set_attribute(attr.WORKER, stream.worker_id)
+            if stream.route_scores:
+                candidates = sorted(stream.route_scores)
+                span.set_attribute(attr.ROUTE_CANDIDATES, candidates)
+                span.set_attribute(attr.ROUTE_SCORES, [stream.route_scores[w] for w in candidates])
+            if stream.expected_cached_tokens is not None:
+                span.set_attribute(attr.ROUTE_CACHED_TOKENS, stream.expected_cached_tokens)
         self.streams.append(stream)
         return stream
 

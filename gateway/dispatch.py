@@ -44,7 +44,7 @@ from gateway.request_stream import (
     WorkerLost,
     WorkerRejected,
 )
-from gateway.workers import RoutingError, WorkerInfo, WorkerRegistry, WorkerState
+from gateway.workers import PromptKey, RoutingError, WorkerInfo, WorkerRegistry, WorkerState
 from policies.routing import RouteRequest, RoutingPolicy
 from wire.codec import MAX_FRAME_BYTES, DecodeStats, encode, worker_message_decoder
 from wire.messages import (
@@ -52,8 +52,11 @@ from wire.messages import (
     DrainNotice,
     GatewayMessage,
     Heartbeat,
+    KVEvents,
+    KVSnapshot,
     Register,
     Rejected,
+    ResyncKV,
     Submit,
     TokenBatch,
     TokenDelta,
@@ -239,9 +242,16 @@ class Dispatcher:
             tier=submit.tier,
             num_prompt_tokens=len(submit.prompt_token_ids),
         )
-        while (worker := self.registry.pick(request.model, exclude=exclude, request=route)) is not None:
+        # A resumed request's blocks cover its prompt and the tokens it resumes after.
+        prompt = PromptKey([*submit.prompt_token_ids, *submit.resumed_token_ids], submit.cache_salt)
+        while (
+            pick := self.registry.pick(request.model, exclude=exclude, request=route, prompt=prompt)
+        ) is not None:
+            worker = pick.worker
             # Tracked before sending, so even an instant answer finds its queue.
             request.worker_id = worker.worker_id
+            request.route_scores = dict(pick.scores)
+            request.expected_cached_tokens = pick.num_cached_tokens
             self._requests[request.request_id] = request
             worker.in_flight_ids.add(request.request_id)
             if self._send_frame(worker.worker_id, frame):
@@ -394,11 +404,27 @@ class Dispatcher:
             for delta in message.deltas:
                 self._on_delta(message.worker_id, delta)
             return
+        if isinstance(message, KVEvents | KVSnapshot):
+            # Every step's cache changes: routing reads them, nobody waits on them (no notify).
+            info = self.registry.touch(message.worker_id, now)
+            if info is None:
+                self._drop_unknown_peer(identity, type(message).__name__)
+            elif isinstance(message, KVEvents):
+                info.prefix.on_events(message)
+                self._resync_if_stale(info, now)
+            else:
+                info.prefix.on_snapshot(message)
+                self._resync_if_stale(info, now)
+            return
         if isinstance(message, Register):
             self._on_register(message, now)
         elif isinstance(message, Heartbeat):
-            if self.registry.on_heartbeat(message, now) is None:
+            info = self.registry.on_heartbeat(message, now)
+            if info is None:
                 self._drop_unknown_peer(identity, "Heartbeat")
+            else:
+                info.prefix.on_heartbeat(message.stats.kv_events_seq)
+                self._resync_if_stale(info, now)
         elif isinstance(message, DrainNotice):
             if self.registry.on_drain(message, now) is None:
                 self._drop_unknown_peer(identity, "DrainNotice")
@@ -419,10 +445,18 @@ class Dispatcher:
             message.num_kv_blocks,
             message.max_model_len,
         )
+        worker = self.registry.get(message.worker_id)
+        assert worker is not None
+        self._resync_if_stale(worker, now)  # a new index, for a new process or a new link
         if lost:
-            worker = self.registry.get(message.worker_id)
-            assert worker is not None
             self._on_worker_lost(worker, lost, f"restarted (pid {previous_pid} → {message.pid})")
+
+    def _resync_if_stale(self, worker: WorkerInfo, now: float) -> None:
+        """Ask for a KVSnapshot when the worker's prefix index can no longer be trusted."""
+        if worker.prefix.wants_resync(now):
+            log.debug("asking worker %s for its prefix cache (resync %d)", worker.worker_id,
+                      worker.prefix.num_resyncs)  # fmt: skip
+            self._send(worker.worker_id, ResyncKV())
 
     def _on_delta(self, worker_id: str, delta: TokenDelta) -> None:
         request = self._requests.get(delta.request_id)

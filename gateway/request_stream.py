@@ -60,6 +60,10 @@ class InFlight:
     queue: asyncio.Queue[TokenDelta | DispatchError]
     token_ids: list[int] = dataclasses.field(default_factory=list)  # output delivered: what to resume from
     num_migrations: int = 0  # times it moved to another worker after losing one (gateway.max_migrations)
+    # The last placement as routing saw it (for the dispatch span): worker id → the policy's score, and
+    # the prompt tokens the chosen worker's prefix index held (None: the policy does not use the index).
+    route_scores: dict[str, float] = dataclasses.field(default_factory=dict)
+    expected_cached_tokens: int | None = None
 
     @property
     def request_id(self) -> str:
@@ -95,6 +99,15 @@ class RequestStream:
     @property
     def epoch(self) -> int:
         return self._request.submit.epoch
+
+    @property
+    def route_scores(self) -> dict[str, float]:
+        """Worker id → score, as the routing policy weighed them for the last placement (may be empty)."""
+        return self._request.route_scores
+
+    @property
+    def expected_cached_tokens(self) -> int | None:
+        return self._request.expected_cached_tokens
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -22,11 +22,13 @@ since a hung engine keeps talking. A new process (Register with another pid) is 
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gateway.prefix_index import PrefixIndex
 from policies.base import NoParams
 from policies.routing import LeastLoaded, RouteRequest, RoutingPolicy, WorkerStateName, WorkerView
+from wire.block_hash import BlockHash, hash_blocks
 from wire.messages import DrainNotice, Heartbeat, Register, WorkerStats
 
 
@@ -41,6 +43,23 @@ _STATE_NAMES: dict[WorkerState, WorkerStateName] = {
     WorkerState.DRAINING: "draining",
     WorkerState.DEAD: "dead",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKey:
+    """What prefix matching needs of a prompt: its tokens and the tenant's cache salt."""
+
+    token_ids: Sequence[int]
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """The routing decision: the worker, and what was weighed (for the dispatch span)."""
+
+    worker: WorkerInfo
+    num_cached_tokens: int | None  # the chosen worker's expected prefix hit (prefix-aware policies)
+    scores: Mapping[str, float]  # worker id → the policy's score, when it reports them
 
 
 @dataclass(slots=True)
@@ -58,9 +77,11 @@ class WorkerInfo:
     progress_at: float = 0.0
     # Set when ejected for a hang: ``num_steps`` then; readmission needs a step past it.
     hung_at_step: int | None = None
+    prefix: PrefixIndex = field(init=False)  # its prefix cache, from its KV events (stale until synced)
 
     def __post_init__(self) -> None:
         self.progress_at = self.last_seen
+        self.prefix = PrefixIndex(self.register.block_size)
 
     @property
     def model(self) -> str:
@@ -111,6 +132,8 @@ class WorkerRegistry:
             info.hung_at_step = None
         info.register = message
         info.last_seen = now
+        # Events may have been lost with the old link (or belong to the old process): start over.
+        info.prefix = PrefixIndex(message.block_size)
         if is_new_process or info.state is not WorkerState.DEAD:
             info.state = WorkerState.READY
         elif info.hung_at_step is None:
@@ -154,7 +177,7 @@ class WorkerRegistry:
             info.last_seen = now
         return info
 
-    def view(self, info: WorkerInfo) -> WorkerView:
+    def view(self, info: WorkerInfo, num_cached_tokens: int | None = None) -> WorkerView:
         """``info`` as the routing and degradation policies see it (a copy: they cannot change it)."""
         stats = info.stats
         return WorkerView(
@@ -168,6 +191,7 @@ class WorkerRegistry:
             num_free_blocks=stats.num_free_blocks if stats is not None else None,
             num_total_blocks=stats.num_total_blocks if stats is not None else None,
             step_time_ema_ms=stats.step_time_ema_ms if stats is not None else None,
+            num_cached_tokens=num_cached_tokens,
         )
 
     def ready(self, model: str, *, exclude: Collection[str] = ()) -> list[WorkerInfo]:
@@ -179,20 +203,46 @@ class WorkerRegistry:
         ]
 
     def pick(
-        self, model: str, *, exclude: Collection[str] = (), request: RouteRequest | None = None
-    ) -> WorkerInfo | None:
+        self,
+        model: str,
+        *,
+        exclude: Collection[str] = (),
+        request: RouteRequest | None = None,
+        prompt: PromptKey | None = None,
+    ) -> Pick | None:
         """The ready worker of ``model`` (not in ``exclude``) the routing policy chooses; None if there
-        is none. A choice outside the candidates is the policy's bug: it raises, naming the policy."""
+        is none. A choice outside the candidates is the policy's bug: it raises, naming the policy.
+
+        For a policy with ``uses_prefix_index``, each candidate's view carries how many of ``prompt``'s
+        leading tokens its prefix index holds, and the chosen worker's index then expects the prompt's
+        blocks (a burst sharing a new prefix follows the first request instead of scattering)."""
         candidates = self.ready(model, exclude=exclude)
         if not candidates:
             return None
         if request is None:
             request = RouteRequest(request_id="", model=model, tier=None, num_prompt_tokens=0)
-        index = self.routing.choose(request, [self.view(info) for info in candidates])
+        hashes: dict[int, list[BlockHash]] = {}  # block size → the prompt's block hashes
+        if prompt is not None and getattr(self.routing, "uses_prefix_index", False):
+            for info in candidates:
+                size = info.prefix.block_size
+                if size not in hashes:
+                    hashes[size] = hash_blocks(prompt.token_ids, size, prompt.cache_salt)
+        cached = [
+            info.prefix.match(hashes[info.prefix.block_size]) * info.prefix.block_size
+            if hashes and info.prefix.is_fresh
+            else None
+            for info in candidates
+        ]
+        views = [self.view(info, num) for info, num in zip(candidates, cached, strict=True)]
+        index = self.routing.choose(request, views)
         if not (isinstance(index, int) and 0 <= index < len(candidates)):
             name = type(self.routing).__name__
             raise RoutingError(f"routing policy {name} chose {index!r} among {len(candidates)} workers")
-        return candidates[index]
+        chosen = candidates[index]
+        if hashes:
+            chosen.prefix.expect(hashes[chosen.prefix.block_size])
+        scores = getattr(self.routing, "scores", None)
+        return Pick(chosen, cached[index], dict(scores) if isinstance(scores, Mapping) else {})
 
     def expire(self, now: float, timeout_s: float) -> list[WorkerInfo]:
         """Mark workers silent for longer than ``timeout_s`` dead; returns the newly dead ones, their

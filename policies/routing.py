@@ -8,6 +8,11 @@ Load comes from two places: ``num_in_flight`` is what this gateway has sent the 
 finish (current, but blind to other gateways sharing it); ``num_running``/``num_waiting``, the KV
 blocks and the step-time average are the worker's own figures from its last heartbeat (complete, but as
 old as that heartbeat). :attr:`WorkerView.num_load` combines them.
+
+Prefix reuse comes from the gateway's index of each worker's prefix cache (gateway/prefix_index.py,
+fed by the workers' KV events): a policy whose class sets ``uses_prefix_index = True`` gets
+:attr:`WorkerView.num_cached_tokens`, how many of this prompt's tokens the worker is expected to hold.
+A policy may also leave its last decision's ``scores`` (worker id → score) for traces to show.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class WorkerView:
     num_free_blocks: int | None = None
     num_total_blocks: int | None = None
     step_time_ema_ms: float | None = None
+    # Leading prompt tokens in its prefix cache, by the gateway's index; None when not asked for
+    # (the policy does not set ``uses_prefix_index``) or the index is stale (being resynced).
+    num_cached_tokens: int | None = None
 
     @property
     def num_load(self) -> int:
@@ -79,6 +87,7 @@ class RoutingPolicy(Protocol):
     the gateway may use now (workers it already tried for this request are left out); ``choose``
     returns an index into it. It is called once per placement attempt on the event loop, so it must be
     fast; it may keep state across calls (a rotation), but only ids and numbers, never the views.
+    ``uses_prefix_index`` (optional, default False): fill in :attr:`WorkerView.num_cached_tokens`.
     """
 
     kind: ClassVar[str]

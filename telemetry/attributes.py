@@ -46,6 +46,10 @@ WORKER = "tierserve.worker"
 CACHED_TOKENS = "tierserve.cached_tokens"
 DEGRADED = "tierserve.degraded"
 MIGRATIONS = "tierserve.migrations"
+# On the dispatch span: what routing weighed (candidates and scores are parallel arrays).
+ROUTE_CANDIDATES = "tierserve.route.candidates"
+ROUTE_SCORES = "tierserve.route.scores"
+ROUTE_CACHED_TOKENS = "tierserve.route.expected_cached_tokens"  # prefix index hit on the chosen worker
 TIME_TO_FIRST_TOKEN = "tierserve.time_to_first_token_s"
 QUEUE_TIME = "tierserve.queue_time_s"
 REQUEST_ID = "tierserve.request_id"

@@ -1,7 +1,8 @@
 """The messages gateway and workers exchange over ZeroMQ: two tagged unions of msgspec Structs.
 
-    worker ── Register, TokenBatch, Heartbeat, DrainNotice, Rejected ──▶ gateway   (WorkerMessage)
-    worker ◀── Submit, Abort, Shutdown ─────────────────────────────────── gateway   (GatewayMessage)
+    worker ── Register, TokenBatch, Heartbeat, DrainNotice, Rejected, ──▶ gateway   (WorkerMessage)
+              KVEvents, KVSnapshot
+    worker ◀── Submit, Abort, Shutdown, ResyncKV ───────────────────────── gateway   (GatewayMessage)
 
 Every message is a msgpack map whose ``type`` key names the Struct and whose ``v`` key carries
 :data:`PROTOCOL_VERSION`, so a receiver can tell "another version" from "garbage" (see ``wire.codec``).
@@ -31,6 +32,7 @@ MAX_PROMPT_TOKENS = 1 << 20
 MAX_DELTA_TOKENS = 4096  # tokens one request gains in one step (speculative decoding stays far below)
 MAX_DELTA_TEXT_CHARS = 1 << 20
 MAX_DELTAS_PER_BATCH = 4096  # an engine with more running requests splits its TokenBatch
+MAX_KV_HASHES = 1 << 18  # block hashes in one KVEvents/KVSnapshot (16 bytes each: 4 MiB)
 MAX_TRACE_ENTRIES = 8
 MAX_TRACE_VALUE_CHARS = 1024  # W3C tracestate is at most 32 members of ~256 chars; 512 in practice
 
@@ -124,6 +126,7 @@ class WorkerStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     num_evictions: int = 0  # cached prefix blocks reused for other KV
     num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     num_prefix_hit_tokens: int = 0  # of those, the ones found cached
+    kv_events_seq: int = -1  # the last KVEvents.seq sent (-1: none yet); the gateway's index checks it
 
 
 class Heartbeat(_Message, tag="heartbeat", frozen=True, kw_only=True):
@@ -134,6 +137,38 @@ class Heartbeat(_Message, tag="heartbeat", frozen=True, kw_only=True):
     seq: int
     sent_at: float
     stats: WorkerStats
+
+
+BlockHashes = Annotated[list[bytes], msgspec.Meta(max_length=MAX_KV_HASHES)]
+
+
+class KVEvents(_Message, tag="kv_events", frozen=True, kw_only=True):
+    """How a worker's prefix cache changed since its previous KVEvents: the block hashes
+    (wire.block_hash, salted per tenant) it now holds, and those it evicted. One per engine step that
+    changed anything; a hash appears in at most one of the two lists (its state at the end of the step).
+
+    ``seq`` counts KVEvents from 0 in each worker process, one by one: a gateway that sees a gap has
+    missed some and asks for a :class:`KVSnapshot` (:class:`ResyncKV`) instead of trusting its index.
+    """
+
+    worker_id: Id
+    seq: int
+    block_size: int
+    stored: BlockHashes = []
+    removed: BlockHashes = []
+
+
+class KVSnapshot(_Message, tag="kv_snapshot", frozen=True, kw_only=True):
+    """Every block hash a worker's prefix cache holds, as of its KVEvents number ``seq`` (-1: before
+    the first), in ``num_parts`` consecutive messages (``part`` counts from 0). The answer to
+    :class:`ResyncKV`; the parts are sent back to back, before any later KVEvents."""
+
+    worker_id: Id
+    seq: int
+    block_size: int
+    part: int
+    num_parts: int
+    hashes: BlockHashes = []
 
 
 class DrainNotice(_Message, tag="drain_notice", frozen=True, kw_only=True):
@@ -216,6 +251,11 @@ class Shutdown(_Message, tag="shutdown", frozen=True, kw_only=True):
     drain: bool = True
 
 
-WorkerMessage: TypeAlias = Register | TokenBatch | Heartbeat | DrainNotice | Rejected
-GatewayMessage: TypeAlias = Submit | Abort | Shutdown
+class ResyncKV(_Message, tag="resync_kv", frozen=True, kw_only=True):
+    """Send me a :class:`KVSnapshot`: the gateway's index of this worker's cache is stale (a gap in
+    KVEvents, a restart, or a new link)."""
+
+
+WorkerMessage: TypeAlias = Register | TokenBatch | Heartbeat | DrainNotice | Rejected | KVEvents | KVSnapshot
+GatewayMessage: TypeAlias = Submit | Abort | Shutdown | ResyncKV
 Message: TypeAlias = WorkerMessage | GatewayMessage

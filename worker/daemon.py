@@ -15,6 +15,10 @@ client sees it: those tokens count as completion tokens, not prompt tokens. One 
 documented rather than hidden: presence/frequency penalties see the resumed tokens as prompt (the
 repetition penalty, which covers prompt and output, is exact).
 
+Prefix-cache events: after every step that changed the prefix cache, one ``KVEvents`` (numbered
+from 0) with the block hashes stored and evicted; ``ResyncKV`` is answered with a ``KVSnapshot`` of
+every cached hash. The gateway's routing index of this worker is built from those (gateway/prefix_index.py).
+
 Drain (``Shutdown(drain=True)`` or SIGTERM): ``DrainNotice`` goes out at once so the gateway stops
 routing here; new Submits get ``Rejected(503)``; in-flight requests run to completion; exit code 0.
 ``Shutdown(drain=False)`` or SIGINT: every in-flight request ends with finish_reason "abort" and the
@@ -38,12 +42,16 @@ from telemetry import Telemetry
 from wire.errors import InvalidRequestError
 from wire.messages import (
     MAX_DELTAS_PER_BATCH,
+    MAX_KV_HASHES,
     MAX_MESSAGE_CHARS,
     Abort,
     DrainNotice,
     GatewayMessage,
+    KVEvents,
+    KVSnapshot,
     Register,
     Rejected,
+    ResyncKV,
     Shutdown,
     Submit,
     TokenBatch,
@@ -94,6 +102,9 @@ class WorkerDaemon:
         self._num_steps = 0
         self._step_time_ema_ms = 0.0
         self._is_draining = False
+        self._kv_events_seq = -1  # the last KVEvents.seq sent
+        if engine.kv_cache.enable_prefix_caching:
+            engine.kv_cache.pool.record_events()
         self.io = SocketIO(
             connect,
             worker_id,
@@ -162,6 +173,8 @@ class WorkerDaemon:
     def _handle(self, message: GatewayMessage) -> Shutdown | None:
         if isinstance(message, Submit):
             self._submit(message)
+        elif isinstance(message, ResyncKV):
+            self._send_kv_snapshot()
         elif isinstance(message, Abort):
             tracked = self._requests.get(message.request_id)
             # Only the matching epoch: a late Abort of a failed-over attempt must not kill the new one.
@@ -238,6 +251,7 @@ class WorkerDaemon:
         alpha = STEP_TIME_EMA_ALPHA if self._num_steps > 1 else 1.0
         self._step_time_ema_ms += alpha * (elapsed_ms - self._step_time_ema_ms)
         self._send_outputs(outputs)
+        self._send_kv_events()
         self.io.stats = self._stats()
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -276,6 +290,40 @@ class WorkerDaemon:
             ),
         )
 
+    def _send_kv_events(self) -> None:
+        stored, removed = self.engine.kv_cache.pool.take_events()
+        if len(stored) + len(removed) <= MAX_KV_HASHES:
+            batches = [(stored, removed)] if stored or removed else []
+        else:  # more than one message may carry: stored first, then removed (a hash is in one list)
+            batches = [(stored[i : i + MAX_KV_HASHES], []) for i in range(0, len(stored), MAX_KV_HASHES)]
+            batches += [([], removed[i : i + MAX_KV_HASHES]) for i in range(0, len(removed), MAX_KV_HASHES)]
+        for batch_stored, batch_removed in batches:
+            self._kv_events_seq += 1
+            self.io.send(
+                KVEvents(
+                    worker_id=self.worker_id,
+                    seq=self._kv_events_seq,
+                    block_size=self.engine.config.block_size,
+                    stored=batch_stored,
+                    removed=batch_removed,
+                )
+            )
+
+    def _send_kv_snapshot(self) -> None:
+        hashes = self.engine.kv_cache.pool.snapshot()
+        num_parts = max(1, -(-len(hashes) // MAX_KV_HASHES))
+        for part in range(num_parts):
+            self.io.send(
+                KVSnapshot(
+                    worker_id=self.worker_id,
+                    seq=self._kv_events_seq,
+                    block_size=self.engine.config.block_size,
+                    part=part,
+                    num_parts=num_parts,
+                    hashes=hashes[part * MAX_KV_HASHES : (part + 1) * MAX_KV_HASHES],
+                )
+            )
+
     def _abort_all(self) -> None:
         log.info("worker %s stopping now: aborting %d requests", self.worker_id, len(self._requests))
         self._send_outputs(self._end_all(error=None))
@@ -310,6 +358,7 @@ class WorkerDaemon:
             num_evictions=self.engine.kv_cache.pool.num_evictions,
             num_prefix_query_tokens=self.engine.kv_cache.num_prefix_queries,
             num_prefix_hit_tokens=self.engine.kv_cache.num_prefix_hits,
+            kv_events_seq=self._kv_events_seq,
         )
 
     def _register(self) -> Register:

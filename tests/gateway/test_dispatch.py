@@ -33,6 +33,7 @@ from wire.messages import (
     GatewayMessage,
     Heartbeat,
     Register,
+    ResyncKV,
     Submit,
     TokenBatch,
     TokenDelta,
@@ -487,9 +488,12 @@ class FakeWorker:
         await self.send(TokenBatch(worker_id=self.worker_id, step=self._step, deltas=[delta]))
 
     async def receive(self) -> GatewayMessage:
-        message = self._decoder.decode(await self._sock.recv())
-        assert message is not None
-        return message
+        """The next message, less ResyncKV (this fake has no prefix cache to tell about)."""
+        while True:
+            message = self._decoder.decode(await self._sock.recv())
+            assert message is not None
+            if not isinstance(message, ResyncKV):
+                return message
 
     async def close(self) -> None:
         await self.stop_beating()

@@ -141,7 +141,7 @@ def test_the_registry_routes_through_its_policy_and_refuses_a_choice_outside_the
         registry.on_register(register(worker_id, "big"), 0.0)
     registry.get("a").in_flight_ids.update({"r1", "r2"})  # type: ignore[union-attr]
     picks = [registry.pick("big") for _ in range(4)]
-    assert [p.worker_id for p in picks if p is not None] == ["a", "b", "c", "a"]  # load ignored
+    assert [p.worker.worker_id for p in picks if p is not None] == ["a", "b", "c", "a"]  # load ignored
     assert registry.pick("big", exclude={"a", "b", "c"}) is None
     registry.routing = OutOfRange()
     with pytest.raises(RoutingError, match="OutOfRange chose 3 among 3"):

@@ -49,7 +49,7 @@ def _registry(*worker_ids: str, now: float = 0.0) -> WorkerRegistry:
 
 def _picked(registry: WorkerRegistry, model: str = "m") -> str | None:
     info = registry.pick(model)
-    return info.worker_id if info is not None else None
+    return info.worker.worker_id if info is not None else None
 
 
 def test_pick_prefers_fewest_requests_then_least_kv() -> None:

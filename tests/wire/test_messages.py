@@ -27,8 +27,11 @@ from wire.messages import (
     DrainNotice,
     GatewayMessage,
     Heartbeat,
+    KVEvents,
+    KVSnapshot,
     Register,
     Rejected,
+    ResyncKV,
     Shutdown,
     Submit,
     TokenBatch,
@@ -92,7 +95,12 @@ worker_stats = st.builds(
     step_time_ema_ms=floats,
     num_steps=counts,
     num_preemptions=counts,
+    num_evictions=counts,
+    num_prefix_query_tokens=counts,
+    num_prefix_hit_tokens=counts,
+    kv_events_seq=st.integers(-1, 2**40),
 )
+block_hashes = st.lists(st.binary(min_size=16, max_size=16), max_size=8)
 
 message_strategies: dict[type[Any], st.SearchStrategy[Any]] = {
     Register: st.builds(
@@ -129,6 +137,19 @@ message_strategies: dict[type[Any], st.SearchStrategy[Any]] = {
     ),
     Abort: st.builds(Abort, request_id=ids, epoch=counts),
     Shutdown: st.builds(Shutdown, drain=st.booleans()),
+    KVEvents: st.builds(
+        KVEvents, worker_id=ids, seq=counts, block_size=counts, stored=block_hashes, removed=block_hashes
+    ),
+    KVSnapshot: st.builds(
+        KVSnapshot,
+        worker_id=ids,
+        seq=counts,
+        block_size=counts,
+        part=counts,
+        num_parts=counts,
+        hashes=block_hashes,
+    ),
+    ResyncKV: st.builds(ResyncKV),
 }
 worker_messages = st.one_of(*(message_strategies[t] for t in WORKER_TYPES))
 gateway_messages = st.one_of(*(message_strategies[t] for t in GATEWAY_TYPES))

@@ -149,3 +149,25 @@ def test_allocate_slots_changes_nothing_on_failure() -> None:
     assert not kv.allocate_slots(other, 5)
     assert other.block_ids == [] and kv.num_free_blocks == 0
     kv.check_integrity()
+
+
+def test_recorded_events_give_each_hash_its_latest_state_and_a_snapshot_covers_pending_ones() -> None:
+    pool = BlockPool(2)
+    assert pool.take_events() == ([], [])  # not recording yet
+    pool.record_events()
+    a, b = pool.allocate(2)
+    pool.cache_block(a, b"h-a")
+    pool.cache_block(b, b"h-b")
+    assert pool.take_events() == ([b"h-a", b"h-b"], [])
+    assert pool.take_events() == ([], [])
+    pool.free([a, b])
+    (c,) = pool.allocate(1)  # evicts h-a (least recently freed)
+    pool.cache_block(c, b"h-c")
+    (d,) = pool.allocate(1)  # evicts h-b
+    pool.cache_block(d, b"h-a")  # h-a again: its latest state is "stored"
+    stored, removed = pool.take_events()
+    assert sorted(stored) == [b"h-a", b"h-c"] and removed == [b"h-b"]
+    pool.free([c])
+    pool.allocate(1)  # evicts h-c
+    assert pool.snapshot() == [b"h-a"] and pool.take_events() == ([], [])
+    pool.check_integrity()

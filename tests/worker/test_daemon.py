@@ -20,14 +20,18 @@ import msgspec
 import pytest
 import zmq
 
+from wire.block_hash import hash_blocks
 from wire.codec import MAX_FRAME_BYTES, Decoder, encode, worker_message_decoder
 from wire.messages import (
     Abort,
     DrainNotice,
     GatewayMessage,
     Heartbeat,
+    KVEvents,
+    KVSnapshot,
     Register,
     Rejected,
+    ResyncKV,
     Shutdown,
     Submit,
     TokenBatch,
@@ -364,3 +368,34 @@ def test_stop_without_drain_aborts_in_flight_requests(tmp_path: Path, how: str) 
         assert len(token_ids(deltas)) < 2000
         assert deltas[-1].usage.completion_tokens == len(token_ids(deltas))
         assert gateway.process.wait(timeout=TIMEOUT_S) == 0
+
+
+def test_prefix_cache_changes_go_out_as_numbered_kv_events_and_resync_answers_with_a_snapshot(
+    worker: Gateway,
+) -> None:
+    """The gateway's routing index is built from these: every stored block's salted hash arrives in
+    KVEvents numbered one by one, heartbeats name the last number, and ResyncKV brings a KVSnapshot
+    of everything cached as of that number."""
+    prompt = list(range(1000, 1040))  # two full blocks of 16, and a partial one
+    request = msgspec.structs.replace(submit("kv-events", prompt, max_tokens=4), cache_salt="tenant-x")
+    worker.send(request)
+    worker.collect({"kv-events"})
+    wanted = set(hash_blocks(prompt, 16, "tenant-x")[:2])
+
+    def stored_so_far() -> set[bytes]:
+        return {h for m in worker.log if isinstance(m, KVEvents) for h in m.stored}
+
+    if not wanted <= stored_so_far():
+        worker.recv_until(lambda m: isinstance(m, KVEvents) and wanted <= stored_so_far())
+    numbers = [m.seq for m in worker.log if isinstance(m, KVEvents)]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # no gaps
+    last = numbers[-1]
+    beat = worker.recv_until(lambda m: isinstance(m, Heartbeat) and m.stats.kv_events_seq >= last)
+    assert isinstance(beat, Heartbeat) and beat.stats.kv_events_seq == last
+
+    worker.send(ResyncKV())
+    snapshot = worker.recv_until(lambda m: isinstance(m, KVSnapshot))
+    assert isinstance(snapshot, KVSnapshot)
+    assert (snapshot.seq, snapshot.part, snapshot.num_parts, snapshot.block_size) == (last, 0, 1, 16)
+    assert wanted <= set(snapshot.hashes)
+    assert not set(hash_blocks(prompt, 16, "tenant-y")) & set(snapshot.hashes)  # salted per tenant

@@ -11,6 +11,10 @@ cached one: the eviction policy (policies/eviction.py) picks among the least rec
 block of each tier (by the rank of the request that last freed it). Each list is ordered least
 recently freed first; a prefix hit pulls a cached block out of the middle in O(1), which is why the
 lists are intrusive (each block carries its own links).
+
+Once :meth:`BlockPool.record_events` is called, the pool also remembers how the hash → block map changed since
+:meth:`BlockPool.take_events` was last called (last change per hash wins), which the worker daemon
+publishes as KVEvents for the gateway's prefix-aware routing.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ class BlockPool:
         self.cached_lists: dict[int, FreeBlockQueue] = {}  # tier rank → its free cached blocks
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        # hash → True (now cached) / False (evicted) since the last take_events; None: not recording.
+        self._events: dict[BlockHash, bool] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -180,13 +186,38 @@ class BlockPool:
             return  # another request computed the same prefix; this copy stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self._events is not None:
+            self._events[block_hash] = True
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self._events is not None:
+                    self._events[block.block_hash] = False
             block.block_hash = None
             self.num_evictions += 1
+
+    def record_events(self) -> None:
+        """From now on, remember changes for :meth:`take_events` (whoever calls this must take them)."""
+        if self._events is None:
+            self._events = {}
+
+    def take_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, removed) hashes since the last call: each hash in one list, by its latest state.
+        A hash stored and evicted again in between is reported removed (harmless to a reader)."""
+        if not self._events:
+            return [], []
+        events, self._events = self._events, {}
+        stored = [h for h, is_cached in events.items() if is_cached]
+        removed = [h for h, is_cached in events.items() if not is_cached]
+        return stored, removed
+
+    def snapshot(self) -> list[BlockHash]:
+        """Every cached hash now; pending events are dropped (the snapshot covers them)."""
+        if self._events is not None:
+            self._events = {}
+        return list(self.cached)
 
     def counts(self) -> tuple[int, int, int]:
         """(free, in use, cached) block counts."""
