@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,12 @@ def _serve_parser() -> argparse.ArgumentParser:
         help="simulated workers for every pool: N for the first primary, served as 'mock'; the other pools "
         "(a fallback) keep their names and num_workers",
     )
+    serve.add_argument(
+        "--mock-args",
+        default="",
+        metavar="ARGS",
+        help="with --mock: more arguments for each mock worker (e.g. '--mock-token-ms 0.05')",
+    )
     serve.add_argument("--config", default=None, help="a TOML config file (else $TIERSERVE_CONFIG)")
     return serve
 
@@ -119,7 +126,9 @@ def _pools(args: argparse.Namespace, config: ServerConfig) -> list[PoolLaunch]:
         if args.mock:
             builder = builders.setdefault("mock", BytePromptBuilder())
             name, num_workers = ("mock", args.mock) if is_first else (pool.name, pool.num_workers)
-            launches.append(PoolLaunch(name, pool, builder, ["--mock"], num_workers))
+            launches.append(
+                PoolLaunch(name, pool, builder, ["--mock", *shlex.split(args.mock_args)], num_workers)
+            )
             continue
         override = is_first and args.model is not None
         folder = resolve_model(args.model if override else pool.path)

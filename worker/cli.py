@@ -68,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--mock", action="store_true", help="a simulated model: no weights, timed steps")
     worker.add_argument("--mock-step-ms", type=float, default=5.0, help="with --mock: fixed time per step")
     worker.add_argument(
+        "--mock-token-ms",
+        type=float,
+        default=0.0,
+        help="with --mock: time per scheduled token (prefill cost)",
+    )
+    worker.add_argument("--mock-kv-blocks", type=int, default=512, help="with --mock: KV blocks of 16 tokens")
+    worker.add_argument(
         "--policies",
         default=None,
         metavar="JSON",
@@ -122,7 +129,8 @@ def _worker(args: argparse.Namespace) -> int:
     if args.mock:
         from worker.mock import MockCost, build_mock_engine  # lazy: torch-free tests never load it
 
-        engine = build_mock_engine(config, MockCost(fixed_ms=args.mock_step_ms), policies=policies)
+        cost = MockCost(fixed_ms=args.mock_step_ms, per_token_ms=args.mock_token_ms)
+        engine = build_mock_engine(config, cost, num_kv_blocks=args.mock_kv_blocks, policies=policies)
     else:
         engine = Engine.from_config(config, policies)
     logging.getLogger(__name__).info("policies: %s", engine.policies.describe())
