@@ -41,12 +41,30 @@ unit: bootstrap
 test: lint model
 	$(PY) -m pytest -q
 
-# Traces into a real APM: Arize Phoenix (~850 MB, its own venv under .cache/) started by the test, which
-# reads the spans back from Phoenix's REST API.
+# Traces into a real APM: Arize Phoenix (~850 MB, pinned, its own venv under .cache/) started by the test,
+# which reads the spans back from Phoenix's REST API. The install retries (pip per download, then the
+# whole install three times) and names what failed; only a finished one is stamped, so a broken one is
+# redone. scripts/phoenix_screenshot.sh uses the same venv.
 APM_VENV := .cache/apm-venv
-test-apm: bootstrap
-	@test -x $(APM_VENV)/bin/phoenix || { $(PYTHON) -m venv $(APM_VENV) && \
-		$(APM_VENV)/bin/pip install -q --disable-pip-version-check arize-phoenix; }
+PHOENIX_VERSION ?= 20.26.1
+APM_STAMP := $(APM_VENV)/.phoenix-$(PHOENIX_VERSION)
+
+$(APM_STAMP):
+	@test -x $(APM_VENV)/bin/python || $(PYTHON) -m venv $(APM_VENV)
+	@for attempt in 1 2 3; do \
+		echo "test-apm: installing arize-phoenix==$(PHOENIX_VERSION) into $(APM_VENV) (attempt $$attempt of 3)"; \
+		$(APM_VENV)/bin/python -m pip install -q --disable-pip-version-check --retries 5 --timeout 60 \
+			"arize-phoenix==$(PHOENIX_VERSION)" && break; \
+		if [ $$attempt = 3 ]; then \
+			echo "test-apm: pip could not install arize-phoenix==$(PHOENIX_VERSION) (its errors are above)" >&2; \
+			exit 1; \
+		fi; \
+		sleep 20; \
+	done
+	@test -x $(APM_VENV)/bin/phoenix || { echo "test-apm: no $(APM_VENV)/bin/phoenix after the install" >&2; exit 1; }
+	@touch $@
+
+test-apm: bootstrap $(APM_STAMP)
 	TIERSERVE_APM_TEST=1 TIERSERVE_APM_PHOENIX=$(APM_VENV)/bin/phoenix $(PY) -m pytest -q tests/e2e/test_tracing.py -k phoenix
 
 # make bench [SCENARIO=engine|gateway-overhead|load-smoke] [RECORD=1]: one JSON object; RECORD=1 also
