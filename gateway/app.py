@@ -277,18 +277,12 @@ def _sampling(
     parsed: ChatCompletionRequest | CompletionRequest,
     prompt_ids: Sequence[int],
 ) -> SamplingParams:
-    max_model_len, vocab_size = gateway.context_of(model)
     num_prompt = len(prompt_ids)
     param = "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt"
     if num_prompt == 0:
         raise APIError(400, f"{param}: must contain at least one token", param=param)
-    if num_prompt >= max_model_len:
-        raise APIError(
-            400,
-            f"{param}: {num_prompt} tokens leave no room in the model's context of {max_model_len} tokens",
-            param=param,
-            code="context_length_exceeded",
-        )
+    # Only workers taking this prompt's context class with room after it: 400 when there are none.
+    max_model_len, vocab_size = gateway.context_of(model, num_prompt, param)
     sampling = _check(lambda: parsed.to_sampling(max_model_len - num_prompt))
     bad = [t for t in prompt_ids if vocab_size is not None and not 0 <= t < vocab_size]
     if bad:

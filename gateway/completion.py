@@ -265,6 +265,7 @@ class _Run:
                 trace_context=inject(span),
                 tenant=job.identity.tenant.name,
                 cache_salt=job.identity.cache_salt,
+                context_class=self.gateway.config.gateway.context_class(len(choice.prompt_ids)),
             )
             span.set_attribute(attr.WORKER, stream.worker_id)
             if stream.route_scores:

@@ -209,6 +209,7 @@ class Dispatcher:
         cache_salt: str | None = None,
         trace_context: Mapping[str, str] | None = None,
         tenant: str | None = None,
+        context_class: str | None = None,
     ) -> RequestStream:
         """Send the request to the ready worker of ``model`` the routing policy picks;
         :class:`NoWorkerAvailable` if there is none (or every one we tried turned out to be gone)."""
@@ -227,7 +228,7 @@ class Dispatcher:
             trace_context=dict(trace_context or {}),
             arrival_time=time.time(),
         )
-        request = InFlight(submit, model, "", asyncio.Queue())
+        request = InFlight(submit, model, "", asyncio.Queue(), context_class=context_class)
         if not self._place(request, exclude=set()):
             raise NoWorkerAvailable(model)
         return RequestStream(request, self._abort)
@@ -241,6 +242,7 @@ class Dispatcher:
             model=request.model,
             tier=submit.tier,
             num_prompt_tokens=len(submit.prompt_token_ids),
+            context_class=request.context_class,
         )
         # A resumed request's blocks cover its prompt and the tokens it resumes after.
         prompt = PromptKey([*submit.prompt_token_ids, *submit.resumed_token_ids], submit.cache_salt)

@@ -60,6 +60,7 @@ class InFlight:
     queue: asyncio.Queue[TokenDelta | DispatchError]
     token_ids: list[int] = dataclasses.field(default_factory=list)  # output delivered: what to resume from
     num_migrations: int = 0  # times it moved to another worker after losing one (gateway.max_migrations)
+    context_class: str | None = None  # only workers taking this class run it (and its migrations)
     # The last placement as routing saw it (for the dispatch span): worker id → the policy's score, and
     # the prompt tokens the chosen worker's prefix index held (None: the policy does not use the index).
     route_scores: dict[str, float] = dataclasses.field(default_factory=dict)

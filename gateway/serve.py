@@ -55,6 +55,7 @@ class PoolLaunch:
     builder: PromptBuilder
     worker_args: Sequence[str]  # passed to each of its `worker` subcommands (--mock, or --model FOLDER)
     num_workers: int
+    worker_prefix: str | None = None  # its workers are "<prefix>-<i>" (default: ``name``)
 
 
 @dataclass(slots=True)
@@ -67,9 +68,13 @@ class ServeOptions:
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
-        names = [launch.name for launch in self.pools]
-        if len(set(names)) != len(names):
-            raise ValueError(f"two pools would serve the same model name: {names}")
+        names = [launch.name for launch in self.pools if not launch.pool.context_classes]
+        split = {launch.name for launch in self.pools if launch.pool.context_classes}
+        if len(set(names)) != len(names) or set(names) & split:
+            raise ValueError(f"two pools would serve the same model name for the same prompts: {names}")
+        prefixes = [launch.worker_prefix or launch.name for launch in self.pools]
+        if len(set(prefixes)) != len(prefixes):
+            raise ValueError(f"two pools would name their workers alike: {prefixes}")
         if sum(launch.pool.role == "fallback" for launch in self.pools) > 1:
             raise ValueError("at most one fallback pool")
         if not any(launch.pool.role == "primary" for launch in self.pools):
@@ -241,18 +246,23 @@ def policies_arg(config: ServerConfig) -> list[str]:
 def pool_args(pool: ModelPool) -> list[str]:
     """A pool's engine settings as worker flags (``worker_args`` given after them win, argparse keeping
     the last)."""
+    classes = ["--context-classes", ",".join(pool.context_classes)] if pool.context_classes else []
+    limit = ["--max-model-len", str(pool.max_context)] if pool.max_context is not None else []
     return [
         "--dtype", pool.dtype,
         "--kv-cache-gb", str(pool.kv_cache_gb),
         "--max-num-seqs", str(pool.max_num_seqs),
         "--max-num-batched-tokens", str(pool.max_num_batched_tokens),
+        *classes,
+        *limit,
     ]  # fmt: skip
 
 
 def _spawn(address: str, index: int, launch: PoolLaunch, config: ServerConfig) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "worker.cli", "worker", "--connect", address,
-        "--worker-id", f"{launch.name}-{index}", "--served-name", launch.name, *pool_args(launch.pool),
+        "--worker-id", f"{launch.worker_prefix or launch.name}-{index}", "--served-name", launch.name,
+        *pool_args(launch.pool),
         *policies_arg(config), *launch.worker_args,
     ]  # fmt: skip
     return subprocess.Popen(

@@ -19,7 +19,7 @@ from gateway.errors import APIError
 from gateway.instruments import GatewayMetrics
 from gateway.logprobs import TokenTexts
 from gateway.tokenizer import PromptBuilder
-from gateway.workers import WorkerState
+from gateway.workers import WorkerInfo, WorkerState, takes
 from policies.degradation import DegradationPolicy, DegradationView, predict_ttft_s
 from policies.registry import load_policy
 from telemetry import Telemetry
@@ -93,21 +93,40 @@ class Gateway:
         factor = self.config.gateway.max_in_flight_factor
         return sum(max(1, round(seqs * factor)) for seqs in self.ready_workers(model))
 
-    def context_of(self, model: str) -> tuple[int, int | None]:
-        """(max_model_len, vocab_size) over the ready workers of ``model``: the smallest, so a request
-        that fits fits on whichever worker is picked."""
-        ready = [
-            w.register for w in self.dispatcher.registry if w.model == model and w.state is WorkerState.READY
-        ]
-        if not ready:
-            raise APIError(503, f"no ready worker serves model {model!r}", code="no_worker_available")
-        vocab_sizes = [r.vocab_size for r in ready if r.vocab_size is not None]
-        return min(r.max_model_len for r in ready), min(vocab_sizes) if vocab_sizes else None
+    def context_of(self, model: str, num_prompt_tokens: int, param: str = "prompt") -> tuple[int, int | None]:
+        """(max_model_len, vocab_size) over the ready workers of ``model`` that take a prompt this long:
+        those serving its context class (gateway.context_classes) with room after it; the smallest of
+        each, so a request that fits fits on whichever of them is picked.
+
+        None of them: 503 when some worker that would take it is only not ready (or none is ready at
+        all); 400 ``context_length_exceeded`` when no worker of the model takes such a prompt, before
+        any work is done."""
+        registry = self.dispatcher.registry
+        band = self.config.gateway.context_class(num_prompt_tokens)
+        ready = [w.register for w in self._taking(model, num_prompt_tokens)]
+        if ready:
+            vocab_sizes = [r.vocab_size for r in ready if r.vocab_size is not None]
+            return min(r.max_model_len for r in ready), min(vocab_sizes) if vocab_sizes else None
+        known = [w for w in registry if w.model == model]
+        if not registry.ready(model) or any(takes(w, band, num_prompt_tokens) for w in known):
+            raise APIError(503, f"no ready worker serves model {model!r} for {band} prompts",
+                           code="no_worker_available")  # fmt: skip
+        served = [w.register.max_model_len for w in known if takes(w, band)]
+        why = (
+            f"{num_prompt_tokens} tokens leave no room in the model's context of {max(served)} tokens"
+            if served
+            else f"{num_prompt_tokens} tokens: no pool of model {model!r} takes {band} prompts"
+        )
+        raise APIError(400, f"{param}: {why}", param=param, code="context_length_exceeded")
 
     def fits(self, model: str, num_prompt_tokens: int) -> bool:
-        """Whether a prompt this long leaves room for output on every ready worker of ``model``."""
-        lengths = [w.register.max_model_len for w in self.dispatcher.registry.ready(model)]
-        return bool(lengths) and num_prompt_tokens < min(lengths)
+        """Whether a prompt this long has a ready worker of ``model`` to run on, with room for output."""
+        return bool(self._taking(model, num_prompt_tokens))
+
+    def _taking(self, model: str, num_prompt_tokens: int) -> list[WorkerInfo]:
+        """The ready workers of ``model`` that take a prompt this long (its class, and room after it)."""
+        band = self.config.gateway.context_class(num_prompt_tokens)
+        return self.dispatcher.registry.ready(model, context_class=band, num_prompt_tokens=num_prompt_tokens)
 
     # ---- degradation ---------------------------------------------------------------------------
 

@@ -88,6 +88,13 @@ class WorkerInfo:
         return self.register.model
 
 
+def takes(info: WorkerInfo, context_class: str | None, num_prompt_tokens: int = 0) -> bool:
+    """Whether ``info`` takes prompts of ``context_class`` (None: any) this long, with room to spare."""
+    classes = info.register.context_classes
+    is_class_ok = context_class is None or not classes or context_class in classes
+    return is_class_ok and num_prompt_tokens < info.register.max_model_len
+
+
 class RoutingError(Exception):
     """The routing policy chose no candidate (a bug in the policy)."""
 
@@ -194,12 +201,23 @@ class WorkerRegistry:
             num_cached_tokens=num_cached_tokens,
         )
 
-    def ready(self, model: str, *, exclude: Collection[str] = ()) -> list[WorkerInfo]:
-        """The ready workers serving ``model``, less ``exclude``, in registration order."""
+    def ready(
+        self,
+        model: str,
+        *,
+        exclude: Collection[str] = (),
+        context_class: str | None = None,
+        num_prompt_tokens: int = 0,
+    ) -> list[WorkerInfo]:
+        """The ready workers serving ``model``, less ``exclude``, in registration order; with
+        ``context_class``, only those that take that class and leave room after the prompt."""
         return [
             info
             for info in self._workers.values()
-            if info.state is WorkerState.READY and info.model == model and info.worker_id not in exclude
+            if info.state is WorkerState.READY
+            and info.model == model
+            and info.worker_id not in exclude
+            and takes(info, context_class, num_prompt_tokens)
         ]
 
     def pick(
@@ -216,11 +234,16 @@ class WorkerRegistry:
         For a policy with ``uses_prefix_index``, each candidate's view carries how many of ``prompt``'s
         leading tokens its prefix index holds, and the chosen worker's index then expects the prompt's
         blocks (a burst sharing a new prefix follows the first request instead of scattering)."""
-        candidates = self.ready(model, exclude=exclude)
-        if not candidates:
-            return None
         if request is None:
             request = RouteRequest(request_id="", model=model, tier=None, num_prompt_tokens=0)
+        candidates = self.ready(
+            model,
+            exclude=exclude,
+            context_class=request.context_class,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+        if not candidates:
+            return None
         hashes: dict[int, list[BlockHash]] = {}  # block size → the prompt's block hashes
         if prompt is not None and getattr(self.routing, "uses_prefix_index", False):
             for info in candidates:

@@ -77,6 +77,7 @@ class RouteRequest:
     model: str
     tier: Tier | None
     num_prompt_tokens: int
+    context_class: str | None = None  # gateway.context_classes: candidates all take this class
 
 
 @runtime_checkable

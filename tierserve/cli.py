@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from worker import cli as worker_cli
@@ -112,30 +113,35 @@ def _pools(args: argparse.Namespace, config: ServerConfig) -> list[PoolLaunch]:
     ``--mock N``: mock workers everywhere; the first primary pool runs N of them served as "mock" (as
     with no config), every other pool its ``num_workers`` under its own name. Otherwise each pool runs
     its ``path`` under its ``name``, except that ``--model`` replaces the first primary's path and serves
-    it under the folder's name. Pools of one model folder share a prompt builder.
+    it under the folder's name. Pools of one model folder share a prompt builder. Pools sharing a served
+    name (each taking some context classes) stay one model, their workers named after each pool.
     """
     from gateway.serve import PoolLaunch
     from gateway.tokenizer import BytePromptBuilder, HFPromptBuilder, PromptBuilder
     from worker.models.store import resolve_model
 
-    first_primary = next(i for i, pool in enumerate(config.models.pools) if pool.role == "primary")
+    pools = config.models.pools
+    first_primary = next(i for i, pool in enumerate(pools) if pool.role == "primary")
+    first_model = pools[first_primary].model_name
+    num_sharing = Counter(pool.model_name for pool in pools)
     builders: dict[str, PromptBuilder] = {}
     launches = []
-    for i, pool in enumerate(config.models.pools):
-        is_first = i == first_primary
+    for i, pool in enumerate(pools):
+        is_first = pool.model_name == first_model  # the first primary, or a pool sharing its name
+        prefix = pool.name if num_sharing[pool.model_name] > 1 else None  # worker ids stay unique
         if args.mock:
             builder = builders.setdefault("mock", BytePromptBuilder())
-            name, num_workers = ("mock", args.mock) if is_first else (pool.name, pool.num_workers)
-            launches.append(
-                PoolLaunch(name, pool, builder, ["--mock", *shlex.split(args.mock_args)], num_workers)
-            )
+            name = "mock" if is_first else pool.model_name
+            num_workers = args.mock if i == first_primary else pool.num_workers
+            worker_args = ["--mock", *shlex.split(args.mock_args)]
+            launches.append(PoolLaunch(name, pool, builder, worker_args, num_workers, prefix))
             continue
         override = is_first and args.model is not None
         folder = resolve_model(args.model if override else pool.path)
         if str(folder) not in builders:
             builders[str(folder)] = HFPromptBuilder(folder)
-        name = folder.name if override else pool.name
+        name = folder.name if override else pool.model_name
         launches.append(
-            PoolLaunch(name, pool, builders[str(folder)], ["--model", str(folder)], pool.num_workers)
+            PoolLaunch(name, pool, builders[str(folder)], ["--model", str(folder)], pool.num_workers, prefix)
         )
     return launches

@@ -134,6 +134,16 @@ class ModelPool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     max_num_batched_tokens: PosInt = 2048
     role: Literal["primary", "fallback"] = "primary"
     max_context: Annotated[int, Meta(ge=2)] | None = None  # None: the model's own limit
+    # The model name clients use, when it is not ``name``: several primary pools of one model may
+    # share it when each declares ``context_classes`` (disjoint), e.g. a long-context pool with a
+    # large KV cache beside a pool for short prompts.
+    served_name: Name | None = None
+    # gateway.context_classes this pool's workers take (empty: every class).
+    context_classes: tuple[Name, ...] = ()
+
+    @property
+    def model_name(self) -> str:
+        return self.served_name or self.name
 
 
 class ModelsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -288,6 +298,30 @@ def _validate_liveness(config: ServerConfig, fail: _Fail) -> None:
         )
 
 
+def _validate_shared_model(config: ServerConfig, first: int, i: int, fail: _Fail) -> None:
+    """Pools serving one model name split it by context class: the same model, primaries, and each
+    class served by one of them (the gateway picks the pool from the prompt's class)."""
+    pools = config.models.pools
+    key = f"models.pools[{i}]"
+    other = pools[first]
+    pool = pools[i]
+    also = f"(models.pools[{first}] serves {pool.model_name!r} too)"
+    if pool.role != "primary" or other.role != "primary":
+        raise fail(f"{key}.served_name", f"only primary pools may share a served model name {also}")
+    if pool.path != other.path:
+        raise fail(f"{key}.path", f"pools serving one model name must load the same model {also}")
+    for j, earlier in enumerate(pools[:i]):
+        if earlier.model_name != pool.model_name:
+            continue
+        if not pool.context_classes or not earlier.context_classes:
+            why = f"pools sharing a served name must each list their context classes {also}"
+            raise fail(f"{key}.context_classes", why)
+        common = set(pool.context_classes) & set(earlier.context_classes)
+        if common:
+            raise fail(f"{key}.context_classes",
+                       f"{sorted(common)} also served by models.pools[{j}]: one pool per class")  # fmt: skip
+
+
 def _validate_context_classes(config: ServerConfig, fail: _Fail) -> None:
     classes = config.gateway.context_classes
     if not classes:
@@ -390,14 +424,23 @@ def _validate_tenants(config: ServerConfig, fail: _Fail) -> None:
 
 def _validate_pools(config: ServerConfig, fail: _Fail) -> None:
     names: dict[str, int] = {}
+    served: dict[str, int] = {}  # model name → the first pool serving it
+    class_names = {band.name for band in config.gateway.context_classes}
     for i, pool in enumerate(config.models.pools):
         if pool.name in names:
-            # The served name is how clients and the degradation policy pick a pool: it must be one pool.
             raise fail(
                 f"models.pools[{i}].name",
                 f"duplicate pool name {pool.name!r} (also models.pools[{names[pool.name]}])",
             )
         names[pool.name] = i
+        for band in pool.context_classes:
+            if band not in class_names:
+                known = sorted(class_names)
+                why = f"unknown context class {band!r} (gateway.context_classes: {known})"
+                raise fail(f"models.pools[{i}].context_classes", why)
+        first = served.setdefault(pool.model_name, i)
+        if first != i:
+            _validate_shared_model(config, first, i, fail)
     if not config.pools("primary"):
         raise fail("models.pools", 'at least one pool with role = "primary" is needed')
     fallbacks = [i for i, pool in enumerate(config.models.pools) if pool.role == "fallback"]

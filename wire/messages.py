@@ -67,6 +67,8 @@ class Register(_Message, tag="register", frozen=True, kw_only=True):
     max_model_len: int
     max_num_seqs: int  # sequences it runs at once: the gateway's admission counts seats from it
     vocab_size: int | None = None
+    # The gateway's context classes (gateway.context_classes) it takes; empty: every class.
+    context_classes: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
     pid: int
 
 

@@ -33,6 +33,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context limit in tokens (default: the model's own)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help='worker policies: {"ordering": {"name": "tiered", "params": {}}, ..., "allow_plugins": [...]}',
     )
+    worker.add_argument(
+        "--context-classes",
+        default="",
+        metavar="A,B",
+        help="the gateway's context classes this worker takes (default: every class)",
+    )
     worker.add_argument("-v", "--verbose", action="store_true")
     _add_engine_args(worker)
 
@@ -104,6 +113,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        max_model_len=args.max_model_len,
     )
 
 
@@ -130,7 +140,13 @@ def _worker(args: argparse.Namespace) -> int:
         from worker.mock import MockCost, build_mock_engine  # lazy: torch-free tests never load it
 
         cost = MockCost(fixed_ms=args.mock_step_ms, per_token_ms=args.mock_token_ms)
-        engine = build_mock_engine(config, cost, num_kv_blocks=args.mock_kv_blocks, policies=policies)
+        engine = build_mock_engine(
+            config,
+            cost,
+            num_kv_blocks=args.mock_kv_blocks,
+            max_model_len=args.max_model_len or 4096,  # the simulated model's own limit
+            policies=policies,
+        )
     else:
         engine = Engine.from_config(config, policies)
     logging.getLogger(__name__).info("policies: %s", engine.policies.describe())
@@ -148,6 +164,7 @@ def _worker(args: argparse.Namespace) -> int:
             heartbeat_interval_s=args.heartbeat_interval,
             model_name=args.served_name or ("mock" if args.mock else None),
             telemetry=telemetry,
+            context_classes=[c for c in args.context_classes.split(",") if c],
         )
         return daemon.run()
     finally:

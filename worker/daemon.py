@@ -32,6 +32,7 @@ import os
 import queue
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -91,6 +92,7 @@ class WorkerDaemon:
         heartbeat_interval_s: float = 0.5,
         model_name: str | None = None,
         telemetry: Telemetry | None = None,
+        context_classes: Sequence[str] = (),
     ) -> None:
         """``model_name``: what Register announces; by default the name of ``engine.config.model``.
         ``telemetry``: traces of the requests whose Submit carries a trace context (off by default)."""
@@ -98,6 +100,7 @@ class WorkerDaemon:
         self._tracing = _observe(engine, telemetry, worker_id)
         self.worker_id = worker_id
         self.model_name = model_name or _model_name(engine.config.model)
+        self.context_classes = list(context_classes)  # what Register announces; empty: every class
         self._requests: dict[str, _Tracked] = {}
         self._num_steps = 0
         self._step_time_ema_ms = 0.0
@@ -376,6 +379,7 @@ class WorkerDaemon:
             max_model_len=engine.max_model_len,
             max_num_seqs=config.max_num_seqs,
             vocab_size=engine.model_config.vocab_size,
+            context_classes=self.context_classes,
             pid=os.getpid(),
         )
 

@@ -154,7 +154,7 @@ def test_serve_launches_every_pool_under_its_name_and_maps_primaries_to_the_fall
 
     (tmp_path / "tierserve.toml").write_text(CONFIG)
     config = load_config(tmp_path / "tierserve.toml", env={})
-    launches = _pools(argparse.Namespace(mock=2, model=None), config)
+    launches = _pools(argparse.Namespace(mock=2, model=None, mock_args=""), config)
     assert [(p.name, p.pool.role, p.num_workers, list(p.worker_args)) for p in launches] == [
         ("mock", "primary", 2, ["--mock"]),  # the first primary is "mock", as with no config
         ("small", "fallback", 1, ["--mock"]),

@@ -7,6 +7,7 @@ from collections import Counter
 import msgspec
 
 from gateway.workers import WorkerRegistry, WorkerState
+from policies.routing import RouteRequest
 from wire.messages import DrainNotice, Heartbeat, Register, WorkerStats
 
 
@@ -180,3 +181,25 @@ def test_a_silent_worker_is_readmitted_when_it_talks_again() -> None:
     registry.on_register(_register("c", pid=2), 5.0)  # a new process under the same id
     assert registry.num_in_state(WorkerState.READY) == 3
     assert registry.expire_hung(now=6.0, hang_timeout_s=30.0) == []
+
+
+def test_candidates_are_the_workers_taking_the_prompt_s_context_class_with_room_after_it() -> None:
+    registry = WorkerRegistry()
+    short = msgspec.structs.replace(_register("short"), context_classes=["short"], max_model_len=1024)
+    long = msgspec.structs.replace(_register("long"), context_classes=["long"], max_model_len=8192)
+    anything = _register("any")  # declares no class: takes them all, up to its 4096
+    for message in (short, long, anything):
+        registry.on_register(message, 0.0)
+
+    def ids(context_class: str | None, num_prompt_tokens: int = 0) -> set[str]:
+        found = registry.ready("m", context_class=context_class, num_prompt_tokens=num_prompt_tokens)
+        return {info.worker_id for info in found}
+
+    assert ids(None) == {"short", "long", "any"}
+    assert ids("short", 10) == {"short", "any"}
+    assert ids("long", 2000) == {"long", "any"}
+    assert ids("long", 5000) == {"long"}
+    assert ids("long", 8192) == set()  # no room left for even one token
+    request = RouteRequest(request_id="r", model="m", tier=None, num_prompt_tokens=5000, context_class="long")
+    pick = registry.pick("m", request=request)
+    assert pick is not None and pick.worker.worker_id == "long"

@@ -161,6 +161,35 @@ BAD_FILES = [
         "duplicate pool",
     ),
     ("[[models.pools]]\nname = 'm'\nrole = 'fallback'\n", "models.pools", 'role = "primary"'),
+    (
+        "[[models.pools]]\nname = 'a'\ncontext_classes = ['huge']\n",
+        "models.pools[0].context_classes",
+        "unknown context class 'huge'",
+    ),
+    (
+        "[[models.pools]]\nname = 'a'\nserved_name = 's'\ncontext_classes = ['short']\n"
+        "[[models.pools]]\nname = 'b'\nserved_name = 's'\n",
+        "models.pools[1].context_classes",
+        "must each list their context classes",
+    ),
+    (
+        "[[models.pools]]\nname = 'a'\nserved_name = 's'\ncontext_classes = ['short', 'medium']\n"
+        "[[models.pools]]\nname = 'b'\nserved_name = 's'\ncontext_classes = ['medium', 'long']\n",
+        "models.pools[1].context_classes",
+        "['medium'] also served by models.pools[0]",
+    ),
+    (
+        "[[models.pools]]\nname = 'a'\nserved_name = 's'\ncontext_classes = ['short']\n"
+        "[[models.pools]]\nname = 'b'\nserved_name = 's'\npath = '/other'\ncontext_classes = ['long']\n",
+        "models.pools[1].path",
+        "must load the same model",
+    ),
+    (
+        "[[models.pools]]\nname = 'a'\nserved_name = 's'\ncontext_classes = ['short']\n"
+        "[[models.pools]]\nname = 'b'\nserved_name = 's'\nrole = 'fallback'\ncontext_classes = ['long']\n",
+        "models.pools[1].served_name",
+        "only primary pools may share",
+    ),
     ("[[models.pools]]\nname = 'm'\nnum_workers = 0\n", "models.pools[0].num_workers", ">= 1, got 0"),
     ("[[models.pools]]\nname = 'm'\ndtype = 'int3'\n", "models.pools[0].dtype", "invalid value 'int3'"),
     ("[policies]\nrouting = { nam = 'x' }\n", "policies.routing.nam", "unknown key (known: name, params)"),
@@ -324,3 +353,16 @@ def test_context_classes_classify_by_prompt_tokens(tmp_path: Path) -> None:
                     "[[gateway.context_classes]]\nname = 'big'\nmax_prompt_tokens = 20\n")  # fmt: skip
     bounded = load_config(path, env={}).gateway
     assert [bounded.context_class(n) for n in (10, 11, 21)] == ["small", "big", "big"]
+
+
+def test_pools_of_one_model_may_split_it_by_context_class(tmp_path: Path) -> None:
+    config = load_text(
+        tmp_path,
+        "[[models.pools]]\nname = 'chat'\nserved_name = 'smol'\ncontext_classes = ['short', 'medium']\n"
+        "[[models.pools]]\nname = 'chat-long'\nserved_name = 'smol'\ncontext_classes = ['long']\n"
+        "kv_cache_gb = 8.0\nmax_context = 8192\n",
+    )
+    assert [(p.name, p.model_name, p.context_classes) for p in config.models.pools] == [
+        ("chat", "smol", ("short", "medium")),
+        ("chat-long", "smol", ("long",)),
+    ]
