@@ -8,7 +8,8 @@
     preemption   worker          which running request gives its KV back     newest, lowest-tier
     eviction     worker          which free cached block is reused first     lru, priority-weighted
     admission    gateway         admit, queue or shed (with Retry-After)     bounded-queue
-    routing      gateway         which worker runs a request                 least-loaded, round-robin
+    routing      gateway         which worker runs a request                 least-loaded, round-robin,
+                                                                             prefix-load
     degradation  gateway         primary or fallback model pool              never, degrade-on-slo
 
 A policy sees views and returns a choice; it never mutates what it is shown, holds no reference to
