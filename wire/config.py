@@ -20,6 +20,7 @@ import msgspec
 from msgspec import Meta, field
 
 from wire.config_load import ConfigError, blame, decode, env_overrides, read_toml
+from wire.curve import CurveKeyError, load_authorized_keys, load_key_pair
 from wire.tier import DEFAULT_TIERS, Tier
 
 __all__ = [
@@ -100,6 +101,13 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # Key of the per-tenant prefix-cache salt (HMAC-SHA256 of the tenant's name). Unset: a random key
     # per gateway start. Gateways sharing a fleet should share it, so a tenant's cache follows it.
     cache_salt_secret: str | None = None
+    # Where the workers dial in (the dispatcher's ROUTER): tcp://HOST:PORT or ipc://PATH. Port 0 picks a
+    # free port, fine for the workers serve starts itself; a fleet started elsewhere needs a fixed one.
+    worker_address: str = "tcp://127.0.0.1:0"
+    # CURVE on the worker links (docs/operations.md): this gateway's key pair (a .key_secret file) and
+    # the directory of the public keys (*.key) of the workers it lets in. Both, or neither (no CURVE).
+    curve_secret_key_file: str | None = None
+    curve_authorized_keys_dir: str | None = None
     context_classes: tuple[ContextClass, ...] = DEFAULT_CONTEXT_CLASSES  # ascending max_prompt_tokens
 
     def context_class(self, num_prompt_tokens: int) -> str:
@@ -284,6 +292,7 @@ def _validate(config: ServerConfig, fail: _Fail) -> None:
     _validate_pools(config, fail)
     _validate_context_classes(config, fail)
     _validate_liveness(config, fail)
+    _validate_worker_link(config, fail)
 
 
 def _validate_liveness(config: ServerConfig, fail: _Fail) -> None:
@@ -320,6 +329,35 @@ def _validate_shared_model(config: ServerConfig, first: int, i: int, fail: _Fail
         if common:
             raise fail(f"{key}.context_classes",
                        f"{sorted(common)} also served by models.pools[{j}]: one pool per class")  # fmt: skip
+
+
+def _validate_worker_link(config: ServerConfig, fail: _Fail) -> None:
+    gateway = config.gateway
+    if not gateway.worker_address.startswith(("tcp://", "ipc://")):
+        raise fail(
+            "gateway.worker_address",
+            f"expected tcp://HOST:PORT or ipc://PATH, got {gateway.worker_address!r}",
+        )
+    secret_file, keys_dir = gateway.curve_secret_key_file, gateway.curve_authorized_keys_dir
+    if secret_file is None and keys_dir is not None:
+        raise fail(
+            "gateway.curve_secret_key_file", "CURVE needs it too: gateway.curve_authorized_keys_dir is set"
+        )
+    if keys_dir is None and secret_file is not None:
+        raise fail(
+            "gateway.curve_authorized_keys_dir", "CURVE needs it too: gateway.curve_secret_key_file is set"
+        )
+    # Read now, so a wrong path stops start-up here rather than as a gateway no worker can reach.
+    if secret_file is not None:
+        try:
+            load_key_pair(secret_file)
+        except CurveKeyError as exc:
+            raise fail("gateway.curve_secret_key_file", str(exc)) from None
+    if keys_dir is not None:
+        try:
+            load_authorized_keys(keys_dir)
+        except CurveKeyError as exc:
+            raise fail("gateway.curve_authorized_keys_dir", str(exc)) from None
 
 
 def _validate_context_classes(config: ServerConfig, fail: _Fail) -> None:
