@@ -22,6 +22,7 @@ from worker.policy_set import WorkerPolicies
 
 if TYPE_CHECKING:
     from worker.config import EngineConfig
+    from worker.daemon_io import CurveClientKeys
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
 
     worker = sub.add_parser("worker", help="run a worker daemon that dials a gateway over ZeroMQ")
     worker.add_argument(
-        "--connect", required=True, help="the gateway's ROUTER: tcp://HOST:PORT or ipc://PATH"
+        "--connect",
+        required=True,
+        action="append",
+        metavar="ADDRESS",
+        help="a gateway's worker address (tcp://HOST:PORT or ipc://PATH); repeat it, or separate with "
+        "commas, to serve several gateways",
     )
     worker.add_argument("--worker-id", default=None, help="identity on the gateway (default: host-pid)")
     worker.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
@@ -88,6 +94,19 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         metavar="A,B",
         help="the gateway's context classes this worker takes (default: every class)",
+    )
+    worker.add_argument(
+        "--curve-secret-key-file",
+        default=None,
+        metavar="PATH",
+        help="CURVE: this worker's key pair (a .key_secret file from 'tierserve keys generate')",
+    )
+    worker.add_argument(
+        "--curve-server-key-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="CURVE: the gateway's public key (.key file); once for every gateway, or once per --connect",
     )
     worker.add_argument("-v", "--verbose", action="store_true")
     _add_engine_args(worker)
@@ -131,6 +150,8 @@ def _worker(args: argparse.Namespace) -> int:
         return 2
     config = _engine_config(args)
     try:
+        addresses = _addresses(args.connect)
+        curve = _curve_keys(args, len(addresses))
         policies = _policies(args.policies)
     except (ValueError, PolicyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -159,16 +180,59 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         daemon = WorkerDaemon(
             engine,
-            args.connect,
+            addresses,
             worker_id,
             heartbeat_interval_s=args.heartbeat_interval,
             model_name=args.served_name or ("mock" if args.mock else None),
             telemetry=telemetry,
             context_classes=[c for c in args.context_classes.split(",") if c],
+            curve=curve,
         )
         return daemon.run()
     finally:
         telemetry.shutdown()  # flush the last spans before the process goes
+
+
+def _addresses(given: list[str]) -> list[str]:
+    """``--connect A --connect B,C`` → [A, B, C]: one link per gateway, each address once."""
+    addresses = [a.strip() for arg in given for a in arg.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("--connect: no address given")
+    for address in addresses:
+        if not address.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--connect: expected tcp://HOST:PORT or ipc://PATH, got {address!r}")
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"--connect: an address is given twice: {addresses}")
+    return addresses
+
+
+def _curve_keys(args: argparse.Namespace, num_links: int) -> CurveClientKeys | None:
+    """The CURVE flags → the keys of every link; None when neither is given. ``ValueError`` (naming the
+    flag and the file) for one without the other, a count that fits neither rule, or a bad file."""
+    from wire.curve import CurveKeyError, load_key_pair, load_public_key
+    from worker.daemon_io import CurveClientKeys
+
+    secret_file, server_files = args.curve_secret_key_file, args.curve_server_key_file
+    if secret_file is None and not server_files:
+        return None
+    if secret_file is None:
+        raise ValueError("--curve-server-key-file needs --curve-secret-key-file (this worker's key pair)")
+    if not server_files:
+        raise ValueError("--curve-secret-key-file needs --curve-server-key-file (the gateway's public key)")
+    if len(server_files) not in (1, num_links):
+        raise ValueError(
+            f"--curve-server-key-file: give it once (every gateway) or once per --connect ({num_links}), "
+            f"not {len(server_files)} times"
+        )
+    try:
+        key_pair = load_key_pair(secret_file)
+    except CurveKeyError as exc:
+        raise ValueError(f"--curve-secret-key-file: {exc}") from None
+    try:
+        server_keys = [load_public_key(path) for path in server_files]
+    except CurveKeyError as exc:
+        raise ValueError(f"--curve-server-key-file: {exc}") from None
+    return CurveClientKeys(key_pair, tuple(server_keys * num_links if len(server_keys) == 1 else server_keys))
 
 
 def _policies(text: str | None) -> WorkerPolicies:

@@ -19,6 +19,14 @@ Prefix-cache events: after every step that changed the prefix cache, one ``KVEve
 from 0) with the block hashes stored and evicted; ``ResyncKV`` is answered with a ``KVSnapshot`` of
 every cached hash. The gateway's routing index of this worker is built from those (gateway/prefix_index.py).
 
+Several gateways (``--connect`` repeated, one link each in ``daemon_io``): a request remembers the link
+its Submit came on; its tokens and any Rejected go back on that link only, and only that link's Abort
+touches it. Register, heartbeats, DrainNotice and KVEvents go to every gateway (one KVEvents numbering
+for all); a ResyncKV is answered to the gateway that asked. Request ids are unique per gateway only,
+while the engine knows a request by its id alone: a Submit whose id a request of another gateway holds
+is refused with 409 (the gateway's ids are random, so only a misbehaving gateway meets this). A
+Shutdown from any gateway stops the worker for all of them.
+
 Drain (``Shutdown(drain=True)`` or SIGTERM): ``DrainNotice`` goes out at once so the gateway stops
 routing here; new Submits get ``Rejected(503)``; in-flight requests run to completion; exit code 0.
 ``Shutdown(drain=False)`` or SIGINT: every in-flight request ends with finish_reason "abort" and the
@@ -61,7 +69,7 @@ from wire.messages import (
     Usage,
     WorkerStats,
 )
-from worker.daemon_io import SocketIO
+from worker.daemon_io import CurveClientKeys, Received, SocketIO
 from worker.engine import Engine
 from worker.models.store import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
 from worker.outputs import RequestOutput
@@ -80,22 +88,26 @@ class _Tracked:
 
     epoch: int
     num_resumed: int  # tokens appended to the prompt from Submit.resumed_token_ids
+    link: int  # the gateway that sent its Submit: its tokens go there, only its Abort counts
 
 
 class WorkerDaemon:
     def __init__(
         self,
         engine: Engine,
-        connect: str,
+        connect: str | Sequence[str],
         worker_id: str,
         *,
         heartbeat_interval_s: float = 0.5,
         model_name: str | None = None,
         telemetry: Telemetry | None = None,
         context_classes: Sequence[str] = (),
+        curve: CurveClientKeys | None = None,
     ) -> None:
-        """``model_name``: what Register announces; by default the name of ``engine.config.model``.
-        ``telemetry``: traces of the requests whose Submit carries a trace context (off by default)."""
+        """``connect``: the gateway address, or several (one link each, see the module docstring).
+        ``model_name``: what Register announces; by default the name of ``engine.config.model``.
+        ``telemetry``: traces of the requests whose Submit carries a trace context (off by default).
+        ``curve``: CURVE keys for every link (plain links when None)."""
         self.engine = engine
         self._tracing = _observe(engine, telemetry, worker_id)
         self.worker_id = worker_id
@@ -114,6 +126,7 @@ class WorkerDaemon:
             self._register(),
             heartbeat_interval_s=heartbeat_interval_s,
             initial_stats=self._stats(),
+            curve=curve,
         )
 
     def run(self) -> int:
@@ -154,53 +167,73 @@ class WorkerDaemon:
         first = True
         while True:
             try:
-                message = self.io.inbound.get(block=block and first, timeout=IDLE_WAIT_S)
+                item = self.io.inbound.get(block=block and first, timeout=IDLE_WAIT_S)
             except queue.Empty:
                 return None
             first = False
-            try:
-                stop = self._handle(message)
-            except Exception:
-                request_id = getattr(message, "request_id", None)
-                log.exception(
-                    "unexpected error handling %s for request %s", type(message).__name__, request_id
-                )
-                if isinstance(message, Submit):
-                    self._requests.pop(message.request_id, None)
-                    self.engine.abort(message.request_id)
-                    self._reject(message, 500, "internal", "internal error while admitting the request")
-                continue
+            # A bare Shutdown is our own, from a signal handler.
+            stop = self._shutdown(item) if isinstance(item, Shutdown) else self._handle_safely(item)
             if stop is not None:
                 return stop
 
-    def _handle(self, message: GatewayMessage) -> Shutdown | None:
+    def _handle_safely(self, item: Received) -> Shutdown | None:
+        message = item.message
+        try:
+            return self._handle(message, item.link)
+        except Exception:
+            request_id = getattr(message, "request_id", None)
+            log.exception("unexpected error handling %s for request %s", type(message).__name__, request_id)
+            if isinstance(message, Submit):
+                tracked = self._requests.get(message.request_id)
+                if tracked is not None and tracked.link == item.link:
+                    del self._requests[message.request_id]
+                    self.engine.abort(message.request_id)
+                self._reject(
+                    message, item.link, 500, "internal", "internal error while admitting the request"
+                )
+            return None
+
+    def _handle(self, message: GatewayMessage, link: int) -> Shutdown | None:
         if isinstance(message, Submit):
-            self._submit(message)
+            self._submit(message, link)
         elif isinstance(message, ResyncKV):
-            self._send_kv_snapshot()
+            self._send_kv_snapshot(link)
         elif isinstance(message, Abort):
             tracked = self._requests.get(message.request_id)
-            # Only the matching epoch: a late Abort of a failed-over attempt must not kill the new one.
-            if tracked is not None and tracked.epoch == message.epoch:
+            # Only the matching epoch: a late Abort of a failed-over attempt must not kill the new one;
+            # and only from the gateway that sent the request.
+            if tracked is not None and tracked.epoch == message.epoch and tracked.link == link:
                 del self._requests[message.request_id]
                 self.engine.abort(message.request_id)
-        elif message.drain:
+        else:
+            return self._shutdown(message)  # from any gateway: the process stops for every one
+        return None
+
+    def _shutdown(self, message: Shutdown) -> Shutdown | None:
+        if message.drain:
             if not self._is_draining:
                 log.info("worker %s draining: %d requests in flight", self.worker_id, len(self._requests))
                 self._is_draining = True
                 self.io.send(DrainNotice(worker_id=self.worker_id, reason="shutdown requested"))
-        else:
-            return message
-        return None
+            return None
+        return message
 
-    def _submit(self, submit: Submit) -> None:
+    def _submit(self, submit: Submit, link: int) -> None:
         if self._is_draining:
-            self._reject(submit, 503, "worker", f"worker {self.worker_id} is draining; retry elsewhere")
+            self._reject(submit, link, 503, "worker", f"worker {self.worker_id} is draining; retry elsewhere")
             return
         tracked = self._requests.get(submit.request_id)
         if tracked is not None:
+            # The engine knows a request by its id alone, and ids are unique per gateway only. The
+            # gateway's ids are random (uuid4), so two gateways meet here only by mistake: refuse.
+            if tracked.link != link:
+                self._reject(
+                    submit, link, 409, "request_id", "another gateway runs a request of this id here"
+                )
+                return
             if submit.epoch <= tracked.epoch:
-                self._reject(submit, 409, "request_id", f"epoch {tracked.epoch} of this request is running")
+                why = f"epoch {tracked.epoch} of this request is running"
+                self._reject(submit, link, 409, "request_id", why)
                 return
             # A newer attempt supersedes the old one: the gateway has already given up on it.
             del self._requests[submit.request_id]
@@ -222,20 +255,21 @@ class WorkerDaemon:
                 seen_token_ids=submit.resumed_token_ids,
             )
         except InvalidRequestError as exc:
-            self._reject(submit, 400, exc.field, exc.message)
+            self._reject(submit, link, 400, exc.field, exc.message)
             return
-        self._requests[submit.request_id] = _Tracked(submit.epoch, num_resumed)
+        self._requests[submit.request_id] = _Tracked(submit.epoch, num_resumed, link)
         self._tracing.begin(submit, len(submit.prompt_token_ids))
 
-    def _reject(self, submit: Submit, status: int, field: str, message: str) -> None:
-        self.io.send(
+    def _reject(self, submit: Submit, link: int, status: int, field: str, message: str) -> None:
+        self.io.send_to(
+            link,
             Rejected(
                 request_id=submit.request_id,
                 epoch=submit.epoch,
                 status=status,
                 field=field,
                 message=message[:MAX_MESSAGE_CHARS],
-            )
+            ),
         )
 
     # ---- the step -----------------------------------------------------------------------------
@@ -258,22 +292,22 @@ class WorkerDaemon:
         self.io.stats = self._stats()
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
-        deltas = [d for d in map(self._delta, outputs) if d is not None]
-        for i in range(0, len(deltas), MAX_DELTAS_PER_BATCH):
-            self.io.send(
-                TokenBatch(
-                    worker_id=self.worker_id,
-                    step=self._num_steps,
-                    deltas=deltas[i : i + MAX_DELTAS_PER_BATCH],
+        by_link: dict[int, list[TokenDelta]] = {}
+        for output in outputs:
+            tracked = self._requests.get(output.request_id)
+            if tracked is None:
+                continue  # aborted or superseded: the gateway wants nothing more for it
+            if output.is_finished:
+                del self._requests[output.request_id]
+            by_link.setdefault(tracked.link, []).append(self._delta(output, tracked))
+        for link, deltas in by_link.items():  # each gateway gets the tokens of its own requests
+            for i in range(0, len(deltas), MAX_DELTAS_PER_BATCH):
+                batch = deltas[i : i + MAX_DELTAS_PER_BATCH]
+                self.io.send_to(
+                    link, TokenBatch(worker_id=self.worker_id, step=self._num_steps, deltas=batch)
                 )
-            )
 
-    def _delta(self, output: RequestOutput) -> TokenDelta | None:
-        tracked = self._requests.get(output.request_id)
-        if tracked is None:
-            return None  # aborted or superseded: the gateway wants nothing more for it
-        if output.is_finished:
-            del self._requests[output.request_id]
+    def _delta(self, output: RequestOutput, tracked: _Tracked) -> TokenDelta:
         num_prompt = max(0, output.num_prompt_tokens - tracked.num_resumed)
         return TokenDelta(
             request_id=output.request_id,
@@ -312,11 +346,13 @@ class WorkerDaemon:
                 )
             )
 
-    def _send_kv_snapshot(self) -> None:
+    def _send_kv_snapshot(self, link: int) -> None:
+        """To the gateway that asked; its ``seq`` is the last KVEvents one, which every gateway got."""
         hashes = self.engine.kv_cache.pool.snapshot()
         num_parts = max(1, -(-len(hashes) // MAX_KV_HASHES))
         for part in range(num_parts):
-            self.io.send(
+            self.io.send_to(
+                link,
                 KVSnapshot(
                     worker_id=self.worker_id,
                     seq=self._kv_events_seq,
@@ -324,7 +360,7 @@ class WorkerDaemon:
                     part=part,
                     num_parts=num_parts,
                     hashes=hashes[part * MAX_KV_HASHES : (part + 1) * MAX_KV_HASHES],
-                )
+                ),
             )
 
     def _abort_all(self) -> None:
