@@ -105,8 +105,10 @@ class LeastLoaded:
 
     def __init__(self, params: NoParams) -> None:
         self._next_tie = 0
+        self.scores: dict[str, float] = {}  # the last decision's: −(requests + KV fraction), for traces
 
     def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> int:
+        self.scores = {w.worker_id: -round(w.num_load + w.kv_usage, 4) for w in candidates}
         best: list[int] = []
         best_key: tuple[int, float] | None = None
         for index, worker in enumerate(candidates):
