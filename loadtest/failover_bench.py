@@ -16,7 +16,8 @@ asked again, unstreamed, after the run (on the surviving workers). Figures:
 - ``migrations``: requests the gateway moved (``tierserve_migrations_total``).
 
 The helpers here (one streamed completion with its chunk times, the worker processes of a server, a
-metric from ``/metrics``) are what ``tests/e2e/test_failover.py`` drives its trials with.
+metric from ``/metrics``) are what ``tests/e2e/test_failover.py`` drives its trials with, and
+``tests/e2e/test_failover_smollm2.py`` its trials with the real model.
 """
 
 from __future__ import annotations
@@ -71,12 +72,21 @@ class StreamResult:
 
 
 async def stream_completion(
-    http: httpx.AsyncClient, base_url: str, prompt: str, max_tokens: int
+    http: httpx.AsyncClient,
+    base_url: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    model: str = "mock",
+    on_chunk: Callable[[StreamResult], None] | None = None,
 ) -> StreamResult:
-    """One greedy streamed completion with usage; never raises for a failure, records it."""
+    """One greedy streamed completion with usage; never raises for a failure, records it.
+
+    ``on_chunk`` is called with the result so far after every text chunk: a caller can act at a
+    given point of a stream (``tests/e2e/test_failover_smollm2.py`` kills a worker there)."""
     result = StreamResult(prompt, max_tokens)
     body = {
-        "model": "mock",
+        "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -99,6 +109,8 @@ async def stream_completion(
                     if choice.get("text"):
                         result.text += choice["text"]
                         result.chunk_times.append(time.monotonic())
+                        if on_chunk is not None:
+                            on_chunk(result)
                     if choice.get("finish_reason"):
                         result.finish_reason = choice["finish_reason"]
                 if event.get("usage"):
@@ -144,8 +156,8 @@ def scrape(base_url: str) -> str:
     return httpx.get(f"{base_url}/metrics", timeout=5).text
 
 
-def num_ready(base_url: str) -> int:
-    return int(metric(scrape(base_url), "tierserve_worker_up", model="mock", state="ready"))
+def num_ready(base_url: str, model: str = "mock") -> int:
+    return int(metric(scrape(base_url), "tierserve_worker_up", model=model, state="ready"))
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
