@@ -19,7 +19,8 @@ instead of a silent drop), which lets a cancelled consumer send its Abort from i
 
 Trust: a frame is only believed from the connection it claims to come from (the ROUTER identity must be
 the worker id it names, and a delta must come from the worker its request was sent to, with the current
-epoch); anything else is counted and dropped. Identities are not authenticated until CURVE is on.
+epoch); anything else is counted and dropped. With CURVE (``gateway.curve_*``, gateway/link_security.py)
+only workers holding an authorized key get a link at all; without it, identities are not authenticated.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from gateway.link_security import CurveServer, CurveServerKeys
 from gateway.request_stream import (
     DispatcherClosed,
     DispatchError,
@@ -108,9 +110,12 @@ class Dispatcher:
         hang_timeout_s: float = 30.0,
         max_migrations: int = 2,
         routing: RoutingPolicy | None = None,
+        curve: CurveServerKeys | None = None,
     ) -> None:
         """``routing``: the policy that picks a worker per request (least-loaded when not given).
-        The other three are ``gateway.heartbeat_timeout_s``, ``hang_timeout_s`` and ``max_migrations``."""
+        ``curve``: the ROUTER is a CURVE server letting in only the listed workers' keys (plain when
+        None). The other three are ``gateway.heartbeat_timeout_s``, ``hang_timeout_s`` and
+        ``max_migrations``."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.hang_timeout_s = hang_timeout_s
         self.max_migrations = max_migrations
@@ -123,7 +128,15 @@ class Dispatcher:
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_IVL_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
-        self._sock.bind(bind)
+        self._curve = CurveServer(self._ctx, self._sock, curve) if curve is not None else None
+        try:
+            self._sock.bind(bind)
+        except zmq.ZMQError:  # in use, or a bad address: free what we made, so the caller can report it
+            if self._curve is not None:
+                self._curve.stop()
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise
         # The real endpoint: tcp://127.0.0.1:0 binds an ephemeral port that workers need to know.
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._decoder = worker_message_decoder()
@@ -146,6 +159,8 @@ class Dispatcher:
             asyncio.create_task(self._receive_loop(), name="dispatch-receive"),
             asyncio.create_task(self._expire_loop(), name="dispatch-expire"),
         ]
+        if self._curve is not None:
+            self._tasks.append(asyncio.create_task(self._curve.watch(), name="dispatch-curve"))
 
     async def close(self) -> None:
         """Abort every in-flight request (their streams end with DispatcherClosed) and free the socket."""
@@ -158,6 +173,8 @@ class Dispatcher:
         for request in list(self._requests.values()):
             self._abort(request)
             request.queue.put_nowait(DispatcherClosed("the gateway's dispatcher is shutting down"))
+        if self._curve is not None:
+            self._curve.stop()
         self._sock.close(linger=LINGER_MS)
         self._ctx.term()
 

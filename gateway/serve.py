@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -31,11 +32,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import uvicorn
+import zmq
 
 from gateway.app import create_app
 from gateway.dispatch import Dispatcher
 from gateway.state import Gateway
 from gateway.tokenizer import PromptBuilder
+from gateway.worker_link import worker_link
 from gateway.workers import WorkerState
 from policies.base import PolicyKind
 from policies.registry import load_policy
@@ -66,6 +69,8 @@ class ServeOptions:
     config: ServerConfig
     ready_timeout_s: float = 600.0
     log_level: str = "warning"
+    # False (serve --no-workers): start no workers; a fleet started elsewhere dials gateway.worker_address.
+    launch_workers: bool = True
 
     def __post_init__(self) -> None:
         names = [launch.name for launch in self.pools if not launch.pool.context_classes]
@@ -115,23 +120,39 @@ def serve(options: ServeOptions) -> int:
 
 
 async def _serve(options: ServeOptions, telemetry: Telemetry | None = None) -> int:
-    limits = options.config.gateway
-    dispatcher = Dispatcher(
-        "tcp://127.0.0.1:0",
-        heartbeat_timeout_s=limits.heartbeat_timeout_s,
-        hang_timeout_s=limits.hang_timeout_s,
-        max_migrations=limits.max_migrations,
-    )
+    with worker_link(options.config.gateway, own_workers=options.launch_workers) as link:
+        if link.exposure_warning is not None:
+            _say(f"warning: {link.exposure_warning}")
+        limits = options.config.gateway
+        try:
+            dispatcher = Dispatcher(
+                link.address,
+                heartbeat_timeout_s=limits.heartbeat_timeout_s,
+                hang_timeout_s=limits.hang_timeout_s,
+                max_migrations=limits.max_migrations,
+                curve=link.curve,
+            )
+        except zmq.ZMQError as exc:
+            _say(f"error: cannot listen for workers on {link.address} (gateway.worker_address): {exc}")
+            return 1
+        _say(link.describe(dispatcher.address))
+        return await _run(options, dispatcher, link.worker_args, telemetry)
+
+
+async def _run(
+    options: ServeOptions, dispatcher: Dispatcher, curve_args: list[str], telemetry: Telemetry | None
+) -> int:
     await dispatcher.start()
     workers: list[subprocess.Popen[bytes]] = []
     waiter: asyncio.Task[bool] | None = None
     drainer: asyncio.Task[None] | None = None
     try:
-        for launch in options.pools:
+        for launch in options.pools if options.launch_workers else ():
             _say(f"starting {launch.num_workers} worker(s) of {launch.name!r} on {dispatcher.address} "
                  f"({launch.pool.role} pool)")  # fmt: skip
             workers += [
-                _spawn(dispatcher.address, i, launch, options.config) for i in range(launch.num_workers)
+                _spawn(dispatcher.address, i, launch, options.config, curve_args)
+                for i in range(launch.num_workers)
             ]
         builders = {launch.name: launch.builder for launch in options.pools}
         gateway = Gateway(dispatcher, options.config, builders, int(time.time()), fallbacks=options.fallbacks,
@@ -188,19 +209,23 @@ def _request_exit(server: uvicorn.Server) -> None:
 async def _wait_for_workers(
     dispatcher: Dispatcher, workers: list[subprocess.Popen[bytes]], options: ServeOptions, server: _Server
 ) -> bool:
-    """Report progress until every worker is ready; False (and stop serving) if one exits or the
-    deadline passes first."""
+    """Report progress until every worker is ready; False (and stop serving) if one of ours exits or
+    the deadline passes first. A fleet started elsewhere (``--no-workers``) has no deadline: the
+    pools' worker counts are only what the progress lines expect."""
 
     def num_ready() -> int:
         return sum(
             dispatcher.registry.num_in_state(WorkerState.READY, launch.name) for launch in options.pools
         )
 
-    deadline = time.monotonic() + options.ready_timeout_s
+    expected = len(workers) if options.launch_workers else sum(launch.num_workers for launch in options.pools)
+    if not options.launch_workers:
+        _say(f"starting no workers: waiting for {expected} to dial {dispatcher.address}")
+    deadline = time.monotonic() + options.ready_timeout_s if options.launch_workers else math.inf
     reported = -1
-    while (ready := num_ready()) < len(workers):
+    while (ready := num_ready()) < expected:
         if ready != reported:
-            _say(f"{ready}/{len(workers)} workers ready")
+            _say(f"{ready}/{expected} workers ready")
             reported = ready
         dead = [w for w in workers if w.poll() is not None]
         if dead or time.monotonic() > deadline:
@@ -213,7 +238,7 @@ async def _wait_for_workers(
             await dispatcher.wait_until(lambda r=ready: num_ready() != r, timeout_s=1.0)  # type: ignore[misc]
     host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
     names = ", ".join(repr(launch.name) for launch in options.pools)
-    _say(f"{len(workers)}/{len(workers)} workers ready; serving {names} on http://{host}:{options.port}")
+    _say(f"{expected}/{expected} workers ready; serving {names} on http://{host}:{options.port}")
     _say(
         f"try:\n  curl http://{host}:{options.port}/v1/chat/completions -H 'Content-Type: application/json' "
         f"""-d '{{"model": "{options.primary_name}", "messages": [{{"role": "user", "content": "Hi"}}]}}'"""
@@ -258,12 +283,14 @@ def pool_args(pool: ModelPool) -> list[str]:
     ]  # fmt: skip
 
 
-def _spawn(address: str, index: int, launch: PoolLaunch, config: ServerConfig) -> subprocess.Popen[bytes]:
+def _spawn(
+    address: str, index: int, launch: PoolLaunch, config: ServerConfig, curve_args: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "worker.cli", "worker", "--connect", address,
         "--worker-id", f"{launch.worker_prefix or launch.name}-{index}", "--served-name", launch.name,
         *pool_args(launch.pool),
-        *policies_arg(config), *launch.worker_args,
+        *policies_arg(config), *curve_args, *launch.worker_args,
     ]  # fmt: skip
     return subprocess.Popen(
         command, env=_worker_env(config), preexec_fn=_die_with_parent if sys.platform == "linux" else None

@@ -1,6 +1,7 @@
 """The ``tierserve`` command: the composition root, the one module that may import gateway and worker.
 
     tierserve serve ...                      the gateway and its worker processes (here)
+    tierserve keys generate DIR              a CURVE key pair for a worker link (here)
     tierserve models pull | generate | worker    the worker side (``worker/cli.py``)
     tierserve load | bench                   the load generator and benchmarks (``loadtest/``)
 
@@ -21,9 +22,10 @@ if TYPE_CHECKING:
     from gateway.serve import PoolLaunch
     from wire.config import ServerConfig
 
-USAGE = """usage: tierserve {serve,models,generate,worker,load,bench} ...
+USAGE = """usage: tierserve {serve,keys,models,generate,worker,load,bench} ...
 
-  serve      run the OpenAI-compatible gateway and its worker processes
+  serve      run the OpenAI-compatible gateway and its worker processes (--no-workers: gateway only)
+  keys       CURVE keys for the gateway-worker links (keys generate DIR)
   models     manage the local model cache (models pull)
   generate   answer one prompt in-process with the engine
   worker     run a worker daemon that dials a gateway over ZeroMQ
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     if argv[0] == "serve":
         return _serve(_serve_parser().parse_args(argv[1:]))
+    if argv[0] == "keys":
+        return _keys(_keys_parser().parse_args(argv[1:]))
     if argv[0] == "load":
         from loadtest import cli as load_cli  # lazy: serve and the worker never need httpx or matplotlib
 
@@ -78,8 +82,53 @@ def _serve_parser() -> argparse.ArgumentParser:
         metavar="ARGS",
         help="with --mock: more arguments for each mock worker (e.g. '--mock-token-ms 0.05')",
     )
+    serve.add_argument(
+        "--no-workers",
+        action="store_true",
+        help="start no worker processes: workers started elsewhere ('tierserve worker --connect ADDRESS', "
+        "possibly shared with other gateways) dial gateway.worker_address, which must then be fixed",
+    )
     serve.add_argument("--config", default=None, help="a TOML config file (else $TIERSERVE_CONFIG)")
     return serve
+
+
+def _keys_parser() -> argparse.ArgumentParser:
+    keys = argparse.ArgumentParser(prog="tierserve keys", description="CURVE keys for the worker links")
+    sub = keys.add_subparsers(dest="keys_command", required=True)
+    generate = sub.add_parser(
+        "generate",
+        help="write a new key pair: DIR/NAME.key (public: give it to the other side) and "
+        "DIR/NAME.key_secret (secret: stays with its owner)",
+    )
+    generate.add_argument("dir", metavar="DIR", help="created (mode 0700) if missing")
+    generate.add_argument("--name", default=None, help="file name stem (default: DIR's own name)")
+    return keys
+
+
+def _keys(args: argparse.Namespace) -> int:
+    """``keys generate``: ZeroMQ's own certificate files (``zmq.auth.create_certificates``); never
+    overwrites, and the secret file is readable by its owner only."""
+    import os
+    from pathlib import Path
+
+    import zmq.auth
+
+    folder = Path(args.dir)
+    name = args.name or folder.resolve().name
+    public, secret = folder / f"{name}.key", folder / f"{name}.key_secret"
+    existing = [str(path) for path in (public, secret) if path.exists()]
+    if existing:
+        print(f"error: will not overwrite {', '.join(existing)}", file=sys.stderr)
+        return 2
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    old_umask = os.umask(0o077)  # the secret file is never readable by others, not even for a moment
+    try:
+        zmq.auth.create_certificates(folder, name)
+    finally:
+        os.umask(old_umask)
+    public.chmod(0o644)
+    print(f"public key: {public}  (give it to the other side)\nsecret key: {secret}  (keep it here)")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -94,12 +143,20 @@ def _serve(args: argparse.Namespace) -> int:
     except (ConfigError, PolicyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.no_workers and config.gateway.worker_address.endswith(":0"):
+        print(
+            "error: serve --no-workers needs a fixed gateway.worker_address for workers started elsewhere "
+            "to dial (e.g. tcp://127.0.0.1:5555 or ipc:///run/tierserve/workers), not an ephemeral port",
+            file=sys.stderr,
+        )
+        return 2
     try:
         options = ServeOptions(
             host=args.host or config.gateway.host,
             port=config.gateway.port if args.port is None else args.port,
             pools=_pools(args, config),
             config=config,
+            launch_workers=not args.no_workers,
         )
     except (ModelNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
