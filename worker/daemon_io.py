@@ -57,6 +57,9 @@ ZMTP_HEARTBEAT_TIMEOUT_MS = 5000
 REDIAL_GRACE_S = 1.0  # how long to wait for libzmq's own reconnect before dialling again ourselves
 MAX_PENDING = 10_000  # frames held per link while its gateway's pipe is full; beyond this we drop (and log)
 LOG_EVERY = 1000  # repeated trouble on a link (drops, failed handshakes) is logged once, then every Nth
+# A link is up once its handshake succeeded (plain or CURVE). The HANDSHAKE_* events are stable from
+# libzmq 4.3 on (pyzmq's wheels bundle 4.3.x); an older libzmq would never bring a link up.
+MIN_LIBZMQ = (4, 3)
 MONITOR_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -114,6 +117,8 @@ class SocketIO:
         initial_stats: WorkerStats,
         curve: CurveClientKeys | None = None,
     ) -> None:
+        if zmq.zmq_version_info() < MIN_LIBZMQ:
+            raise RuntimeError(f"the worker needs libzmq >= 4.3, this pyzmq has {zmq.zmq_version()}")
         self.addresses = (connect,) if isinstance(connect, str) else tuple(connect)
         if not self.addresses:
             raise ValueError("a worker needs at least one gateway address")
