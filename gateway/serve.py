@@ -147,11 +147,12 @@ async def _run(
     waiter: asyncio.Task[bool] | None = None
     drainer: asyncio.Task[None] | None = None
     try:
+        threads = threads_arg(options.pools)
         for launch in options.pools if options.launch_workers else ():
             _say(f"starting {launch.num_workers} worker(s) of {launch.name!r} on {dispatcher.address} "
                  f"({launch.pool.role} pool)")  # fmt: skip
             workers += [
-                _spawn(dispatcher.address, i, launch, options.config, curve_args)
+                _spawn(dispatcher.address, i, launch, options.config, [*curve_args, *threads])
                 for i in range(launch.num_workers)
             ]
         builders = {launch.name: launch.builder for launch in options.pools}
@@ -281,6 +282,15 @@ def pool_args(pool: ModelPool) -> list[str]:
         *classes,
         *limit,
     ]  # fmt: skip
+
+
+def threads_arg(pools: Sequence[PoolLaunch]) -> list[str]:
+    """``--num-threads``: this host's cores shared among the workers serve starts, so two workers on two
+    cores do not each run two threads and stall each other; none when OMP_NUM_THREADS decides."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return []
+    num_workers = sum(launch.num_workers for launch in pools)
+    return ["--num-threads", str(max(1, (os.cpu_count() or 1) // max(num_workers, 1)))]
 
 
 def _spawn(

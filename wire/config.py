@@ -50,7 +50,10 @@ NON_CONFIG_ENV_VARS = frozenset(
         CONFIG_PATH_ENV,
         "TIERSERVE_FAILOVER_TRIALS",
         "TIERSERVE_FAILOVER_SEED",
-    }  # the last two: tests/e2e
+        "TIERSERVE_FAILOVER_SMOLLM2_TRIALS",
+        "TIERSERVE_APM_TEST",
+        "TIERSERVE_APM_PHOENIX",
+    }  # the rest: knobs of tests/e2e
 )
 
 PosInt = Annotated[int, Meta(ge=1)]

@@ -37,6 +37,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="context limit in tokens (default: the model's own)"
     )
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +134,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
     )
 
 
