@@ -70,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--worker-id", default=None, help="identity on the gateway (default: host-pid)")
     worker.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
     worker.add_argument(
+        "--orphan-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="abort a gateway's requests once its link has been down this long",
+    )
+    worker.add_argument(
         "--served-name",
         default=None,
         metavar="NAME",
@@ -189,6 +196,7 @@ def _worker(args: argparse.Namespace) -> int:
             telemetry=telemetry,
             context_classes=[c for c in args.context_classes.split(",") if c],
             curve=curve,
+            orphan_timeout_s=args.orphan_timeout,
         )
         return daemon.run()
     finally:

@@ -78,6 +78,7 @@ from worker.tracing import NULL_OBSERVER, NullObserver, RequestTracer
 
 log = logging.getLogger(__name__)
 
+ORPHAN_TIMEOUT_S = 10.0  # a gateway link down this long: its requests are nobody's (it has moved them)
 IDLE_WAIT_S = 0.5  # idle: how long to block on the inbound queue before looking around again
 STEP_TIME_EMA_ALPHA = 0.1
 
@@ -103,17 +104,20 @@ class WorkerDaemon:
         telemetry: Telemetry | None = None,
         context_classes: Sequence[str] = (),
         curve: CurveClientKeys | None = None,
+        orphan_timeout_s: float = ORPHAN_TIMEOUT_S,
     ) -> None:
         """``connect``: the gateway address, or several (one link each, see the module docstring).
         ``model_name``: what Register announces; by default the name of ``engine.config.model``.
         ``telemetry``: traces of the requests whose Submit carries a trace context (off by default).
-        ``curve``: CURVE keys for every link (plain links when None)."""
+        ``curve``: CURVE keys for every link (plain links when None).
+        ``orphan_timeout_s``: a gateway's requests are aborted once its link has been down this long."""
         self.engine = engine
         self._tracing = _observe(engine, telemetry, worker_id)
         self.worker_id = worker_id
         self.model_name = model_name or _model_name(engine.config.model)
         self.context_classes = list(context_classes)  # what Register announces; empty: every class
         self._requests: dict[str, _Tracked] = {}
+        self.orphan_timeout_s = orphan_timeout_s
         self._num_steps = 0
         self._step_time_ema_ms = 0.0
         self._is_draining = False
@@ -136,6 +140,7 @@ class WorkerDaemon:
         try:
             while True:
                 stop = self._handle_inbound(block=not self.engine.has_unfinished())
+                self._abort_orphans()
                 self.io.stats = self._stats()  # a queued request shows in heartbeats during a long step
                 if stop is not None and not stop.drain:
                     self._abort_all()
@@ -175,6 +180,21 @@ class WorkerDaemon:
             stop = self._shutdown(item) if isinstance(item, Shutdown) else self._handle_safely(item)
             if stop is not None:
                 return stop
+
+    def _abort_orphans(self) -> None:
+        """Drop the requests of a gateway whose link has been down for ``orphan_timeout_s``: it has
+        failed them over (or died), and nobody will read their tokens."""
+        now = time.monotonic()
+        for link, since in enumerate(self.io.down_since):
+            if since is None or now - since < self.orphan_timeout_s:
+                continue
+            orphans = [request_id for request_id, tracked in self._requests.items() if tracked.link == link]
+            if orphans:
+                log.warning("worker %s: gateway %s gone for %.0f s; aborting its %d requests", self.worker_id,
+                            self.io.addresses[link], now - since, len(orphans))  # fmt: skip
+            for request_id in orphans:
+                del self._requests[request_id]
+                self.engine.abort(request_id)
 
     def _handle_safely(self, item: Received) -> Shutdown | None:
         message = item.message

@@ -144,6 +144,9 @@ class SocketIO:
         self._wake_send.setsockopt(zmq.SNDHWM, 1)  # one pending wake-up is as good as many
         self._wake_send.connect(self._wake_addr)
         self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
+        # Per link: monotonic time it went down (None while up, or before it first came up). Written by
+        # the I/O thread, read by the engine thread (one float per slot: no lock needed).
+        self.down_since: list[float | None] = [None] * len(self.addresses)
 
     # ---- engine-thread side -------------------------------------------------------------------
 
@@ -299,11 +302,13 @@ class SocketIO:
                 # First in line: the gateway must know us before it sees our heartbeats or tokens.
                 self._queue_frame(link, register, "Register", first=True)
                 link.is_connected = connected_now = True
+                self.down_since[link.index] = None
                 link.redial_at = None
                 link.num_failed_handshakes = 0
             elif event == zmq.EVENT_DISCONNECTED:
                 if link.is_connected:
                     log.warning("worker %s lost its connection to %s", self.worker_id, link.address)
+                    self.down_since[link.index] = time.monotonic()
                 link.is_connected = False
                 # libzmq reconnects after a network error but gives up for good after a protocol
                 # error (the gateway sent a frame over MAXMSGSIZE, or garbage ZMTP) or a refused

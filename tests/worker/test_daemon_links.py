@@ -129,7 +129,7 @@ def prompt(seed: int, n: int = 40) -> list[int]:
 
 @contextlib.contextmanager
 def fleet(
-    tmp_path: Path, num_gateways: int = 2
+    tmp_path: Path, num_gateways: int = 2, extra_args: tuple[str, ...] = ()
 ) -> Iterator[tuple[list[FakeGateway], subprocess.Popen[bytes]]]:
     """``num_gateways`` ROUTERs and one mock worker dialling them all (its --connect in order)."""
     ctx = zmq.Context()
@@ -143,7 +143,7 @@ def fleet(
     stderr_path = tmp_path / "worker.log"
     command = [
         sys.executable, "-m", "worker.cli", "worker", "--mock", "--mock-step-ms", "5", "--worker-id", "w",
-        "--heartbeat-interval", "0.1", "--connect", ",".join(g.address for g in gateways), "-v",
+        "--heartbeat-interval", "0.1", "--connect", ",".join(g.address for g in gateways), "-v", *extra_args,
     ]  # fmt: skip
     with stderr_path.open("wb") as stderr:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
@@ -249,6 +249,22 @@ def test_a_gateway_that_goes_away_stalls_nothing(tmp_path: Path) -> None:
             assert tokens(b.collect(f"after-{i}")) == MODEL.transcript(prompt(10 + i), 30)
         first = b.next_heartbeat()
         assert b.next_heartbeat().sent_at > first.sent_at
+
+
+def test_the_requests_of_a_gateway_gone_for_good_are_aborted_after_the_orphan_timeout(tmp_path: Path) -> None:
+    """A dead gateway's requests would otherwise run to max_tokens for nobody: once its link has been
+    down for --orphan-timeout they are dropped (their KV freed), while the other gateway's run on."""
+    with fleet(tmp_path, extra_args=("--orphan-timeout", "1.0")) as ((a, b), _):
+        a.send(submit("orphan", prompt(3), 4000))  # ~20 s of 5 ms steps if nobody stops it
+        a.recv_until(lambda m: isinstance(m, TokenBatch))
+        b.send(submit("kept", prompt(4), 4000))
+        b.recv_until(lambda m: isinstance(m, TokenBatch) and any(d.request_id == "kept" for d in m.deltas))
+        a.sock.close(linger=0)
+        # Both would run for ~20 s more; well before that the orphan is gone and "kept" still runs.
+        b.recv_until(lambda m: isinstance(m, Heartbeat) and m.stats.num_running == 1, 10.0)
+        b.recv_until(lambda m: isinstance(m, TokenBatch) and any(d.request_id == "kept" for d in m.deltas))
+        b.send(Abort(request_id="kept", epoch=0))
+        b.recv_until(lambda m: isinstance(m, Heartbeat) and m.stats.num_running == 0, 10.0)
 
 
 # ---- the command line -------------------------------------------------------------------------
