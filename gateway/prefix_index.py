@@ -52,6 +52,11 @@ class PrefixIndex:
     _snapshot_seq: int = 0
 
     @property
+    def num_blocks(self) -> int:
+        """Blocks it holds or is expected to hold soon (expired expectations linger until pruned)."""
+        return len(self.hashes) + len(self.expected)
+
+    @property
     def is_fresh(self) -> bool:
         return self.applied_seq is not None
 

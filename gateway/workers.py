@@ -184,7 +184,9 @@ class WorkerRegistry:
             info.last_seen = now
         return info
 
-    def view(self, info: WorkerInfo, num_cached_tokens: int | None = None) -> WorkerView:
+    def view(
+        self, info: WorkerInfo, num_cached_tokens: int | None = None, num_cached_blocks: int | None = None
+    ) -> WorkerView:
         """``info`` as the routing and degradation policies see it (a copy: they cannot change it)."""
         stats = info.stats
         return WorkerView(
@@ -199,6 +201,7 @@ class WorkerRegistry:
             num_total_blocks=stats.num_total_blocks if stats is not None else None,
             step_time_ema_ms=stats.step_time_ema_ms if stats is not None else None,
             num_cached_tokens=num_cached_tokens,
+            num_cached_blocks=num_cached_blocks,
         )
 
     def ready(
@@ -256,7 +259,10 @@ class WorkerRegistry:
             else None
             for info in candidates
         ]
-        views = [self.view(info, num) for info, num in zip(candidates, cached, strict=True)]
+        views = [
+            self.view(info, num, info.prefix.num_blocks if num is not None else None)
+            for info, num in zip(candidates, cached, strict=True)
+        ]
         index = self.routing.choose(request, views)
         if not (isinstance(index, int) and 0 <= index < len(candidates)):
             name = type(self.routing).__name__

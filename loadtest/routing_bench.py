@@ -30,7 +30,7 @@ Figures (``*_prefix`` and ``*_rr`` for the two sides, ratios prefix / rr):
   each system prompt was sent to and of system prompts each worker was sent; the preemptions and
   evicted cached blocks the workers reported.
 
-``--prefix-params '{"load_weight": 4}'`` runs prefix-load with other parameters (to study the policy;
+``--prefix-params '{"balance_abs": 4}'`` runs prefix-load with other parameters (to study the policy;
 the recorded figures use its defaults).
 """
 
@@ -114,7 +114,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=json.loads,
         default={},
         metavar="JSON",
-        help="prefix-load's params, e.g. '{\"load_weight\": 4}' (default: the policy's defaults)",
+        help="prefix-load's params, e.g. '{\"balance_abs\": 4}' (default: the policy's defaults)",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="client timeout per request, s")
     parser.add_argument("--seed", type=int, default=0)

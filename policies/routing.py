@@ -44,6 +44,7 @@ class WorkerView:
     # Leading prompt tokens in its prefix cache, by the gateway's index; None when not asked for
     # (the policy does not set ``uses_prefix_index``) or the index is stale (being resynced).
     num_cached_tokens: int | None = None
+    num_cached_blocks: int | None = None  # blocks in its prefix cache by the index (same conditions)
 
     @property
     def num_load(self) -> int:
