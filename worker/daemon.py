@@ -51,13 +51,10 @@ from telemetry import Telemetry
 from wire.errors import InvalidRequestError
 from wire.messages import (
     MAX_DELTAS_PER_BATCH,
-    MAX_KV_HASHES,
     MAX_MESSAGE_CHARS,
     Abort,
     DrainNotice,
     GatewayMessage,
-    KVEvents,
-    KVSnapshot,
     Register,
     Rejected,
     ResyncKV,
@@ -71,6 +68,7 @@ from wire.messages import (
 )
 from worker.daemon_io import CurveClientKeys, Received, SocketIO
 from worker.engine import Engine
+from worker.kv_events import KVEventLog
 from worker.models.store import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
 from worker.outputs import RequestOutput
 from worker.request import FinishReason, TierRef
@@ -121,9 +119,7 @@ class WorkerDaemon:
         self._num_steps = 0
         self._step_time_ema_ms = 0.0
         self._is_draining = False
-        self._kv_events_seq = -1  # the last KVEvents.seq sent
-        if engine.kv_cache.enable_prefix_caching:
-            engine.kv_cache.pool.record_events()
+        self._kv_events = KVEventLog(engine.kv_cache.pool, worker_id, engine.config.block_size)
         self.io = SocketIO(
             connect,
             worker_id,
@@ -217,7 +213,8 @@ class WorkerDaemon:
         if isinstance(message, Submit):
             self._submit(message, link)
         elif isinstance(message, ResyncKV):
-            self._send_kv_snapshot(link)
+            for snapshot in self._kv_events.snapshot():  # to the gateway that asked only
+                self.io.send_to(link, snapshot)
         elif isinstance(message, Abort):
             tracked = self._requests.get(message.request_id)
             # Only the matching epoch: a late Abort of a failed-over attempt must not kill the new one;
@@ -308,7 +305,8 @@ class WorkerDaemon:
         alpha = STEP_TIME_EMA_ALPHA if self._num_steps > 1 else 1.0
         self._step_time_ema_ms += alpha * (elapsed_ms - self._step_time_ema_ms)
         self._send_outputs(outputs)
-        self._send_kv_events()
+        for events in self._kv_events.events():
+            self.io.send(events)
         self.io.stats = self._stats()
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -347,42 +345,6 @@ class WorkerDaemon:
             ),
         )
 
-    def _send_kv_events(self) -> None:
-        stored, removed = self.engine.kv_cache.pool.take_events()
-        if len(stored) + len(removed) <= MAX_KV_HASHES:
-            batches = [(stored, removed)] if stored or removed else []
-        else:  # more than one message may carry: stored first, then removed (a hash is in one list)
-            batches = [(stored[i : i + MAX_KV_HASHES], []) for i in range(0, len(stored), MAX_KV_HASHES)]
-            batches += [([], removed[i : i + MAX_KV_HASHES]) for i in range(0, len(removed), MAX_KV_HASHES)]
-        for batch_stored, batch_removed in batches:
-            self._kv_events_seq += 1
-            self.io.send(
-                KVEvents(
-                    worker_id=self.worker_id,
-                    seq=self._kv_events_seq,
-                    block_size=self.engine.config.block_size,
-                    stored=batch_stored,
-                    removed=batch_removed,
-                )
-            )
-
-    def _send_kv_snapshot(self, link: int) -> None:
-        """To the gateway that asked; its ``seq`` is the last KVEvents one, which every gateway got."""
-        hashes = self.engine.kv_cache.pool.snapshot()
-        num_parts = max(1, -(-len(hashes) // MAX_KV_HASHES))
-        for part in range(num_parts):
-            self.io.send_to(
-                link,
-                KVSnapshot(
-                    worker_id=self.worker_id,
-                    seq=self._kv_events_seq,
-                    block_size=self.engine.config.block_size,
-                    part=part,
-                    num_parts=num_parts,
-                    hashes=hashes[part * MAX_KV_HASHES : (part + 1) * MAX_KV_HASHES],
-                ),
-            )
-
     def _abort_all(self) -> None:
         log.info("worker %s stopping now: aborting %d requests", self.worker_id, len(self._requests))
         self._send_outputs(self._end_all(error=None))
@@ -417,7 +379,7 @@ class WorkerDaemon:
             num_evictions=self.engine.kv_cache.pool.num_evictions,
             num_prefix_query_tokens=self.engine.kv_cache.num_prefix_queries,
             num_prefix_hit_tokens=self.engine.kv_cache.num_prefix_hits,
-            kv_events_seq=self._kv_events_seq,
+            kv_events_seq=self._kv_events.seq,
         )
 
     def _register(self) -> Register:
