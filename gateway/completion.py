@@ -194,6 +194,18 @@ async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
     )
 
 
+def _route_attributes(stream: RequestStream) -> dict[str, str | int | list[str] | list[float]]:
+    """The routing decision: the worker, and the candidates with the scores the policy weighed."""
+    attributes: dict[str, str | int | list[str] | list[float]] = {attr.WORKER: stream.worker_id}
+    if stream.route_scores:
+        candidates = sorted(stream.route_scores)
+        attributes[attr.ROUTE_CANDIDATES] = candidates
+        attributes[attr.ROUTE_SCORES] = [stream.route_scores[w] for w in candidates]
+    if stream.expected_cached_tokens is not None:
+        attributes[attr.ROUTE_CACHED_TOKENS] = stream.expected_cached_tokens
+    return attributes
+
+
 def _status_of(exc: BaseException) -> str:
     if isinstance(exc, APIError):
         return str(exc.status)
@@ -249,31 +261,30 @@ class _Run:
 
     async def _dispatch(self, choice: Choice, request_id: str) -> RequestStream:
         """Submit one choice inside its dispatch span, whose W3C context travels in the Submit: the
-        worker's spans are its children."""
+        worker's spans are its children. The routing decision (made inside ``submit``, with the send)
+        gets its own child span with the candidates and the scores the policy weighed."""
         job = self.job
         tracer = self.gateway.telemetry.tracer
         dispatched: dict[str, str | int] = {attr.REQUEST_ID: request_id, attr.CHOICE_INDEX: choice.index}
         with tracer.start_as_current_span(
             attr.DISPATCH, kind=SpanKind.PRODUCER, attributes=dispatched
         ) as span:
-            stream = await self.gateway.dispatcher.submit(
-                job.model,
-                request_id,
-                choice.prompt_ids,
-                choice.sampling,
-                job.identity.tier,
-                trace_context=inject(span),
-                tenant=job.identity.tenant.name,
-                cache_salt=job.identity.cache_salt,
-                context_class=self.gateway.config.gateway.context_class(len(choice.prompt_ids)),
-            )
+            trace_context = inject(span)
+            with tracer.start_as_current_span(attr.ROUTE) as route:
+                stream = await self.gateway.dispatcher.submit(
+                    job.model,
+                    request_id,
+                    choice.prompt_ids,
+                    choice.sampling,
+                    job.identity.tier,
+                    trace_context=trace_context,
+                    tenant=job.identity.tenant.name,
+                    cache_salt=job.identity.cache_salt,
+                    context_class=self.gateway.config.gateway.context_class(len(choice.prompt_ids)),
+                )
+                if route.is_recording():
+                    route.set_attributes(_route_attributes(stream))
             span.set_attribute(attr.WORKER, stream.worker_id)
-            if stream.route_scores:
-                candidates = sorted(stream.route_scores)
-                span.set_attribute(attr.ROUTE_CANDIDATES, candidates)
-                span.set_attribute(attr.ROUTE_SCORES, [stream.route_scores[w] for w in candidates])
-            if stream.expected_cached_tokens is not None:
-                span.set_attribute(attr.ROUTE_CACHED_TOKENS, stream.expected_cached_tokens)
         self.streams.append(stream)
         return stream
 

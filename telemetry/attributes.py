@@ -10,7 +10,8 @@ from __future__ import annotations
 # ---- span names ------------------------------------------------------------------------------
 CLASSIFY = "tierserve.classify"  # identity, tier, placement, tokenization, context class
 ADMISSION = "tierserve.admission"  # the gateway's per-tier queue (429 when shed)
-DISPATCH = "tierserve.dispatch"  # the routing choice and the Submit of one choice
+DISPATCH = "tierserve.dispatch"  # one choice's Submit: the worker's spans are its children
+ROUTE = "tierserve.route"  # under dispatch: the routing policy's choice and the scores it weighed
 WORKER_REQUEST = "tierserve.worker.request"  # one Submit on a worker, Submit → last token
 WORKER_QUEUE = "tierserve.worker.queue"  # Submit → first scheduled (time in the worker's queue)
 WORKER_PREFILL = "tierserve.worker.prefill"  # one prefill chunk (one step)

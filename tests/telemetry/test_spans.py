@@ -182,8 +182,9 @@ def test_one_trace_from_the_http_span_to_every_prefill_chunk() -> None:
         (dispatch,) = children(spans, server, attr.DISPATCH)
         assert dispatch.kind is SpanKind.PRODUCER and (dispatch.attributes or {})[attr.WORKER] == "mock-0"
         # What routing weighed (least-loaded: minus requests and KV in use, per candidate).
-        assert (dispatch.attributes or {})[attr.ROUTE_CANDIDATES] == ("mock-0",)
-        assert len((dispatch.attributes or {})[attr.ROUTE_SCORES]) == 1  # type: ignore[arg-type]
+        (route,) = children(spans, dispatch, attr.ROUTE)
+        assert (route.attributes or {})[attr.ROUTE_CANDIDATES] == ("mock-0",)
+        assert len((route.attributes or {})[attr.ROUTE_SCORES]) == 1  # type: ignore[arg-type]
         (request,) = children(spans, dispatch, attr.WORKER_REQUEST)
         assert request.resource.attributes.get("service.name") is not None
         r = request.attributes or {}
