@@ -17,6 +17,7 @@ Read at scrape (from admission, the dispatcher and the workers' last heartbeats)
     tierserve_worker_kv_blocks_used / _free / _total, tierserve_worker_step_time_seconds,
     tierserve_worker_prefix_cache_hit_ratio, tierserve_worker_preemptions_total,
     tierserve_worker_kv_evictions_total, tierserve_worker_prefix_cache_queries_total / _hits_total,
+    tierserve_prefix_index_blocks{worker,model}, tierserve_prefix_index_resyncs_total (routing's index)
     tierserve_wire_frames_dropped_total{reason}, tierserve_workers_lost_total,
     tierserve_migrations_total{model}
 """
@@ -80,6 +81,8 @@ OTLP: dict[str, Instrument] = {
     "tierserve_worker_prefix_cache_hits_total": Instrument(
         "tierserve.worker.prefix_cache_hits", "{token}", C, WM
     ),
+    "tierserve_prefix_index_blocks": Instrument("tierserve.prefix_index.blocks", "{block}", U, WM),
+    "tierserve_prefix_index_resyncs_total": Instrument("tierserve.prefix_index.resyncs", "{resync}", C, WM),
     "tierserve_wire_frames_dropped_total": Instrument(
         "tierserve.wire.frames_dropped", "{frame}", C, (REASON,)
     ),
@@ -157,6 +160,16 @@ class GatewayMetrics:
         self.worker_prefix_hits = r.counter(
             "tierserve_worker_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", w
         )
+        self.index_blocks = r.gauge(
+            "tierserve_prefix_index_blocks",
+            "Blocks the gateway's routing index holds for the worker (absent while it is being resynced).",
+            w,
+        )
+        self.index_resyncs = r.counter(
+            "tierserve_prefix_index_resyncs_total",
+            "Snapshots of the worker's prefix cache asked for (a restart, a new link, a lost event).",
+            w,
+        )
         self.frames_dropped = r.counter(
             "tierserve_wire_frames_dropped_total", "Frames from workers dropped at the gateway.", ("reason",)
         )
@@ -169,7 +182,7 @@ class GatewayMetrics:
         """Refresh the scrape-time figures from ``dispatcher`` and ``admissions`` on every render."""
         per_worker = (self.worker_running, self.worker_waiting, self.worker_used_blocks,
                       self.worker_free_blocks, self.worker_total_blocks, self.worker_step_time,
-                      self.worker_hit_ratio)  # fmt: skip
+                      self.worker_hit_ratio, self.index_blocks)  # fmt: skip
 
         def collect() -> None:
             self.queue_length.clear()
@@ -191,10 +204,13 @@ class GatewayMetrics:
                     self.worker_up.set(
                         worker.worker_id, worker.model, state.value, value=float(worker.state is state)
                     )
+                key = (worker.worker_id, worker.model)
+                self.index_resyncs.set_total(*key, total=worker.prefix.num_resyncs)
                 stats = worker.stats
                 if stats is None or worker.state is WorkerState.DEAD:
                     continue
-                key = (worker.worker_id, worker.model)
+                if worker.prefix.is_fresh:
+                    self.index_blocks.set(*key, value=len(worker.prefix.hashes))
                 self.worker_running.set(*key, value=stats.num_running)
                 self.worker_waiting.set(*key, value=stats.num_waiting)
                 self.worker_used_blocks.set(*key, value=stats.num_total_blocks - stats.num_free_blocks)

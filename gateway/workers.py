@@ -140,7 +140,7 @@ class WorkerRegistry:
         info.register = message
         info.last_seen = now
         # Events may have been lost with the old link (or belong to the old process): start over.
-        info.prefix = PrefixIndex(message.block_size)
+        info.prefix = PrefixIndex(message.block_size, num_resyncs=info.prefix.num_resyncs)
         if is_new_process or info.state is not WorkerState.DEAD:
             info.state = WorkerState.READY
         elif info.hung_at_step is None:

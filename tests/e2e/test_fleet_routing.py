@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.failover_bench import num_ready, wait_for, worker_processes
+from loadtest.failover_bench import metric, num_ready, scrape, wait_for, worker_processes
 from loadtest.launch import Server, running_server
 
 pytestmark = pytest.mark.timeout(180)
@@ -85,6 +85,12 @@ def test_requests_sharing_a_system_prompt_follow_it_and_rebalance_when_its_worke
     new_holders = {worker for worker, _, _ in after}
     assert len(new_holders) == 1 and holder not in new_holders, new_holders
     assert all(cached >= 320 for _, cached, _ in after[1:]), [cached for _, cached, _ in after]
+    # /metrics shows the index: one snapshot asked of each worker when it registered, and the blocks
+    # the new holder caches (from its KV events).
+    text = scrape(prefix_fleet.base_url)
+    assert metric(text, "tierserve_prefix_index_resyncs_total") >= 3
+    (new_holder,) = new_holders
+    assert metric(text, "tierserve_prefix_index_blocks", worker=new_holder) >= 20
 
 
 def test_another_tenant_never_hits_a_prompt_it_did_not_send_on_any_worker(prefix_fleet: Server) -> None:

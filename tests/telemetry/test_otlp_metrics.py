@@ -213,10 +213,11 @@ def record_some(metrics: GatewayMetrics) -> None:
     metrics.worker_hit_ratio.set("mock-0", "mock", value=0.25)
     for gauge, value in ((metrics.worker_running, 2), (metrics.worker_waiting, 1),
                          (metrics.worker_used_blocks, 30), (metrics.worker_free_blocks, 482),
-                         (metrics.worker_total_blocks, 512)):  # fmt: skip
+                         (metrics.worker_total_blocks, 512), (metrics.index_blocks, 40)):  # fmt: skip
         gauge.set("mock-0", "mock", value=value)
     worker_totals = ((metrics.worker_preemptions, 3), (metrics.worker_evictions, 7),
-                     (metrics.worker_prefix_queries, 400), (metrics.worker_prefix_hits, 100))  # fmt: skip
+                     (metrics.worker_prefix_queries, 400), (metrics.worker_prefix_hits, 100),
+                     (metrics.index_resyncs, 1))  # fmt: skip
     for counter, total in worker_totals:
         counter.set_total("mock-0", "mock", total=total)
     metrics.frames_dropped.set_total("stale", total=2)
