@@ -8,9 +8,10 @@
 Each pool's workers register under the pool's served name; the gateway serves every pool by name and
 sends degraded requests for a primary to the fallback pool (``Gateway.fallbacks``).
 
-This module starts workers by command line only; it never imports the worker package (the gateway must
-stay torch-free). Shutdown (Ctrl-C, SIGTERM, or a worker dying before it was ever ready) always runs the
-same ``finally``: stop uvicorn, close the dispatcher, SIGTERM the children, SIGKILL what is left.
+Workers are started by command line (gateway/worker_procs.py); the gateway never imports the worker
+package (it must stay torch-free). Shutdown (Ctrl-C, SIGTERM, or a worker dying before it was ever
+ready) always runs the same ``finally``: stop uvicorn, close the dispatcher, SIGTERM the children,
+SIGKILL what is left.
 
 SIGTERM drains first (what an orchestrator sends before it kills a pod): ``/ready`` and new completions
 answer 503 at once, running requests finish for up to ``gateway.drain_timeout_s``, then the shutdown
@@ -21,9 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -37,28 +36,13 @@ import zmq
 from gateway.app import create_app
 from gateway.dispatch import Dispatcher
 from gateway.state import Gateway
-from gateway.tokenizer import PromptBuilder
 from gateway.worker_link import worker_link
+from gateway.worker_procs import WORKER_POLICY_KINDS, PoolLaunch, spawn, stop_workers, threads_arg
 from gateway.workers import WorkerState
 from policies.base import PolicyKind
 from policies.registry import load_policy
 from telemetry import Telemetry, TelemetryConfigError, configure
-from wire.config import ModelPool, ServerConfig
-
-WORKER_STOP_TIMEOUT_S = 10.0
-PR_SET_PDEATHSIG = 1
-
-
-@dataclass(slots=True)
-class PoolLaunch:
-    """One model pool as serve starts it."""
-
-    name: str  # what its workers register as and clients put in "model"
-    pool: ModelPool  # role and engine settings (dtype, KV cache, sequences, batched tokens)
-    builder: PromptBuilder
-    worker_args: Sequence[str]  # passed to each of its `worker` subcommands (--mock, or --model FOLDER)
-    num_workers: int
-    worker_prefix: str | None = None  # its workers are "<prefix>-<i>" (default: ``name``)
+from wire.config import ServerConfig
 
 
 @dataclass(slots=True)
@@ -152,7 +136,7 @@ async def _run(
             _say(f"starting {launch.num_workers} worker(s) of {launch.name!r} on {dispatcher.address} "
                  f"({launch.pool.role} pool)")  # fmt: skip
             workers += [
-                _spawn(dispatcher.address, i, launch, options.config, [*curve_args, *threads])
+                spawn(dispatcher.address, i, launch, options.config, [*curve_args, *threads])
                 for i in range(launch.num_workers)
             ]
         builders = {launch.name: launch.builder for launch in options.pools}
@@ -186,7 +170,7 @@ async def _run(
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await dispatcher.close()
-        _stop_workers(workers)
+        stop_workers(workers)
         _say("stopped")
 
 
@@ -247,7 +231,6 @@ async def _wait_for_workers(
     return True
 
 
-WORKER_POLICY_KINDS: tuple[PolicyKind, ...] = ("ordering", "budget", "preemption", "eviction")
 GATEWAY_POLICY_KINDS: tuple[PolicyKind, ...] = ("admission", "routing", "degradation")
 
 
@@ -257,82 +240,6 @@ def check_policies(config: ServerConfig) -> None:
     for kind in (*WORKER_POLICY_KINDS, *GATEWAY_POLICY_KINDS):
         selection = getattr(config.policies, kind)
         load_policy(kind, selection.name, selection.params, allow_plugins=config.policies.allow_plugins)
-
-
-def policies_arg(config: ServerConfig) -> list[str]:
-    """The worker kinds of the config's [policies], as the worker's --policies JSON."""
-    chosen: dict[str, object] = {
-        kind: {"name": getattr(config.policies, kind).name, "params": getattr(config.policies, kind).params}
-        for kind in WORKER_POLICY_KINDS
-    }
-    chosen["allow_plugins"] = list(config.policies.allow_plugins)
-    return ["--policies", json.dumps(chosen)]
-
-
-def pool_args(pool: ModelPool) -> list[str]:
-    """A pool's engine settings as worker flags (``worker_args`` given after them win, argparse keeping
-    the last)."""
-    classes = ["--context-classes", ",".join(pool.context_classes)] if pool.context_classes else []
-    limit = ["--max-model-len", str(pool.max_context)] if pool.max_context is not None else []
-    return [
-        "--dtype", pool.dtype,
-        "--kv-cache-gb", str(pool.kv_cache_gb),
-        "--max-num-seqs", str(pool.max_num_seqs),
-        "--max-num-batched-tokens", str(pool.max_num_batched_tokens),
-        *classes,
-        *limit,
-    ]  # fmt: skip
-
-
-def threads_arg(pools: Sequence[PoolLaunch]) -> list[str]:
-    """``--num-threads``: this host's cores shared among the workers serve starts, so two workers on two
-    cores do not each run two threads and stall each other; none when OMP_NUM_THREADS decides."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return []
-    num_workers = sum(launch.num_workers for launch in pools)
-    return ["--num-threads", str(max(1, (os.cpu_count() or 1) // max(num_workers, 1)))]
-
-
-def _spawn(
-    address: str, index: int, launch: PoolLaunch, config: ServerConfig, curve_args: Sequence[str] = ()
-) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable, "-m", "worker.cli", "worker", "--connect", address,
-        "--worker-id", f"{launch.worker_prefix or launch.name}-{index}", "--served-name", launch.name,
-        *pool_args(launch.pool),
-        *policies_arg(config), *curve_args, *launch.worker_args,
-    ]  # fmt: skip
-    return subprocess.Popen(
-        command, env=_worker_env(config), preexec_fn=_die_with_parent if sys.platform == "linux" else None
-    )
-
-
-def _worker_env(config: ServerConfig) -> dict[str, str]:
-    """The workers' environment: ours (so the same OTEL_* variables configure their tracing), with the
-    config's service name unless OTEL_SERVICE_NAME names one."""
-    env = dict(os.environ)
-    env.setdefault("OTEL_SERVICE_NAME", config.telemetry.service_name)
-    return env
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when this process dies, even by SIGKILL (no orphans)."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _stop_workers(workers: list[subprocess.Popen[bytes]]) -> None:
-    for worker in workers:
-        if worker.poll() is None:
-            worker.terminate()
-    deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
-    for worker in workers:
-        try:
-            worker.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
 
 
 def _say(message: str) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from worker import cli as worker_cli
 
 if TYPE_CHECKING:
-    from gateway.serve import PoolLaunch
+    from gateway.worker_procs import PoolLaunch
     from wire.config import ServerConfig
 
 USAGE = """usage: tierserve {serve,keys,models,generate,worker,load,bench} ...
@@ -173,8 +173,8 @@ def _pools(args: argparse.Namespace, config: ServerConfig) -> list[PoolLaunch]:
     it under the folder's name. Pools of one model folder share a prompt builder. Pools sharing a served
     name (each taking some context classes) stay one model, their workers named after each pool.
     """
-    from gateway.serve import PoolLaunch
     from gateway.tokenizer import BytePromptBuilder, HFPromptBuilder, PromptBuilder
+    from gateway.worker_procs import PoolLaunch
     from worker.models.store import resolve_model
 
     pools = config.models.pools

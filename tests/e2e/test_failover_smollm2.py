@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.serve import policies_arg, pool_args
+from gateway.worker_procs import policies_arg, pool_args
 from loadtest.failover_bench import (
     StreamResult,
     metric,
@@ -112,7 +112,7 @@ class Fleet:
         return found
 
     def spawn(self, worker_id: str) -> None:
-        """A worker started as serve starts its own (``gateway/serve.py`` ``_spawn``)."""
+        """A worker started as serve starts its own (``gateway/worker_procs.py`` ``spawn``)."""
         pool = self.config.models.pools[0]
         command = [
             sys.executable, "-m", "worker.cli", "worker", "--connect", self.address,

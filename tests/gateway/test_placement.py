@@ -149,7 +149,8 @@ def test_the_registry_routes_through_its_policy_and_refuses_a_choice_outside_the
 
 
 def test_serve_launches_every_pool_under_its_name_and_maps_primaries_to_the_fallback(tmp_path: Path) -> None:
-    from gateway.serve import PoolLaunch, ServeOptions
+    from gateway.serve import ServeOptions
+    from gateway.worker_procs import PoolLaunch
     from tierserve.cli import _pools
 
     (tmp_path / "tierserve.toml").write_text(CONFIG)

@@ -1,0 +1,114 @@
+"""How ``tierserve serve`` starts and stops its worker processes: each pool's command line (engine
+settings, policies, context classes, threads, CURVE keys), the environment they inherit, and their end.
+
+Workers are started by command line only (``python -m worker.cli worker ...``): the gateway never
+imports the worker package, so it stays torch-free. On Linux a worker gets SIGTERM when serve dies,
+even by SIGKILL (``PR_SET_PDEATHSIG``), so no worker outlives its gateway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.tokenizer import PromptBuilder
+from policies.base import PolicyKind
+from wire.config import ModelPool, ServerConfig
+
+WORKER_STOP_TIMEOUT_S = 10.0
+PR_SET_PDEATHSIG = 1
+WORKER_POLICY_KINDS: tuple[PolicyKind, ...] = ("ordering", "budget", "preemption", "eviction")
+
+
+@dataclass(slots=True)
+class PoolLaunch:
+    """One model pool as serve starts it."""
+
+    name: str  # what its workers register as and clients put in "model"
+    pool: ModelPool  # role and engine settings (dtype, KV cache, sequences, batched tokens)
+    builder: PromptBuilder
+    worker_args: Sequence[str]  # passed to each of its `worker` subcommands (--mock, or --model FOLDER)
+    num_workers: int
+    worker_prefix: str | None = None  # its workers are "<prefix>-<i>" (default: ``name``)
+
+
+def policies_arg(config: ServerConfig) -> list[str]:
+    """The worker kinds of the config's [policies], as the worker's --policies JSON."""
+    chosen: dict[str, object] = {
+        kind: {"name": getattr(config.policies, kind).name, "params": getattr(config.policies, kind).params}
+        for kind in WORKER_POLICY_KINDS
+    }
+    chosen["allow_plugins"] = list(config.policies.allow_plugins)
+    return ["--policies", json.dumps(chosen)]
+
+
+def pool_args(pool: ModelPool) -> list[str]:
+    """A pool's engine settings as worker flags (``worker_args`` given after them win, argparse keeping
+    the last)."""
+    classes = ["--context-classes", ",".join(pool.context_classes)] if pool.context_classes else []
+    limit = ["--max-model-len", str(pool.max_context)] if pool.max_context is not None else []
+    return [
+        "--dtype", pool.dtype,
+        "--kv-cache-gb", str(pool.kv_cache_gb),
+        "--max-num-seqs", str(pool.max_num_seqs),
+        "--max-num-batched-tokens", str(pool.max_num_batched_tokens),
+        *classes,
+        *limit,
+    ]  # fmt: skip
+
+
+def threads_arg(pools: Sequence[PoolLaunch]) -> list[str]:
+    """``--num-threads``: this host's cores shared among the workers serve starts, so two workers on two
+    cores do not each run two threads and stall each other; none when OMP_NUM_THREADS decides."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return []
+    num_workers = sum(launch.num_workers for launch in pools)
+    return ["--num-threads", str(max(1, (os.cpu_count() or 1) // max(num_workers, 1)))]
+
+
+def spawn(
+    address: str, index: int, launch: PoolLaunch, config: ServerConfig, curve_args: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "worker.cli", "worker", "--connect", address,
+        "--worker-id", f"{launch.worker_prefix or launch.name}-{index}", "--served-name", launch.name,
+        *pool_args(launch.pool),
+        *policies_arg(config), *curve_args, *launch.worker_args,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        command, env=worker_env(config), preexec_fn=die_with_parent if sys.platform == "linux" else None
+    )
+
+
+def worker_env(config: ServerConfig) -> dict[str, str]:
+    """The workers' environment: ours (so the same OTEL_* variables configure their tracing), with the
+    config's service name unless OTEL_SERVICE_NAME names one."""
+    env = dict(os.environ)
+    env.setdefault("OTEL_SERVICE_NAME", config.telemetry.service_name)
+    return env
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when this process dies, even by SIGKILL (no orphans)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def stop_workers(workers: list[subprocess.Popen[bytes]]) -> None:
+    for worker in workers:
+        if worker.poll() is None:
+            worker.terminate()
+    deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
+    for worker in workers:
+        try:
+            worker.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
