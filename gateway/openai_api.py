@@ -69,6 +69,14 @@ class _Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    # vLLM's extensions to the OpenAI body, which benchmark tools and clients of vLLM send; accepted
+    # under the same names and meanings (top_k 0 or -1: off, as in vLLM).
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def include_usage(self) -> bool:
@@ -90,6 +98,12 @@ class _Sampling(msgspec.Struct, kw_only=True):
             frequency_penalty=self.frequency_penalty,
             logprobs=logprobs,
             stop=stop,
+            top_k=self.top_k if self.top_k is not None and self.top_k > 0 else None,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 

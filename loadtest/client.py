@@ -38,7 +38,7 @@ class RequestOptions:
     api: Api
     stream: bool
     temperature: float
-    ignore_eos: bool  # vLLM's extension; servers that do not know it ignore it (tierserve does)
+    ignore_eos: bool  # vLLM's extension; tierserve honours it, servers that do not know it ignore it
     headers: Mapping[str, str]  # Authorization, -H headers
     timeout_s: float
 

@@ -51,6 +51,35 @@ def test_chat_fields_map_to_sampling_params() -> None:
     assert request.stream and request.include_usage
 
 
+def test_vllm_extension_fields_map_to_sampling_params_and_bad_ones_name_themselves() -> None:
+    """ignore_eos, top_k, min_p, repetition_penalty, stop_token_ids, skip_special_tokens: what vLLM
+    accepts beside the OpenAI fields (benchmark clients send ignore_eos); unknown fields stay ignored."""
+    body = {"ignore_eos": True, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1,
+            "stop_token_ids": [7, 9], "skip_special_tokens": False, "best_of": 2}  # fmt: skip
+    for request in (
+        decode_chat(chat_body(**body)),
+        decode_completion(msgspec.json.encode({"model": "m", "prompt": "x", **body})),
+    ):
+        sampling = request.to_sampling(room=100)
+        assert (sampling.ignore_eos, sampling.top_k, sampling.min_p, sampling.repetition_penalty) == (
+            True,
+            40,
+            0.05,
+            1.1,
+        )
+        assert sampling.stop_token_ids == (7, 9) and not sampling.skip_special_tokens
+    assert all(decode_chat(chat_body(top_k=k)).to_sampling(room=10).top_k is None for k in (0, -1))
+    bad = decode_chat(chat_body(min_p=2.0)).to_sampling(room=10)
+    with pytest.raises(InvalidRequestError) as caught:
+        bad.validate(vocab_size=100, max_model_len=20, num_prompt_tokens=5)
+    assert caught.value.field == "min_p"
+    with pytest.raises(InvalidRequestError) as caught:
+        decode_chat(chat_body(stop_token_ids=[1000])).to_sampling(room=10).validate(
+            vocab_size=100, max_model_len=20, num_prompt_tokens=5
+        )
+    assert caught.value.field == "stop_token_ids"
+
+
 def test_max_completion_tokens_wins_and_default_is_the_room_left() -> None:
     assert decode_chat(chat_body(max_tokens=5, max_completion_tokens=9)).to_sampling(room=100).max_tokens == 9
     assert decode_chat(chat_body()).to_sampling(room=100).max_tokens == 100
