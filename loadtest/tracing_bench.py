@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import os
 import sys
 import tempfile
@@ -24,7 +23,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -37,13 +35,13 @@ from loadtest.arrivals import ArrivalSpec
 from loadtest.client import RequestOptions, Target
 from loadtest.launch import log_tail, running_server
 from loadtest.metrics import summarize
+from loadtest.otlp_http import OtlpHttpReceiver
 from loadtest.prompt_text import load_tokenizer
 from loadtest.runner import Bounds, run_load
 from loadtest.workloads import Api, Workload, WorkloadOptions
 from wire.config import ServerConfig
 
 READY_TIMEOUT_S = 120.0
-HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,45 +68,22 @@ class OtlpCollector:
     spans: list[CollectedSpan] = field(default_factory=list)
     num_requests: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _server: ThreadingHTTPServer | None = None
+    _server: OtlpHttpReceiver[ExportTraceServiceRequest] | None = None
 
     @property
     def endpoint(self) -> str:
         assert self._server is not None, "not started"
-        return f"http://{HOST}:{self._server.server_address[1]}"
+        return self._server.base_url
 
     def start(self) -> OtlpCollector:
-        collector = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", "0")))
-                if self.headers.get("content-encoding") == "gzip":
-                    body = gzip.decompress(body)
-                if self.path != "/v1/traces":
-                    self.send_error(404)
-                    return
-                request = ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                collector._add(request)
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass  # quiet
-
-        self._server = ThreadingHTTPServer((HOST, 0), Handler)
-        threading.Thread(target=self._server.serve_forever, name="otlp-collector", daemon=True).start()
+        self._server = OtlpHttpReceiver(
+            "/v1/traces", ExportTraceServiceRequest, ExportTraceServiceResponse(), self._add
+        )
         return self
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
 
     def snapshot(self) -> list[CollectedSpan]:
         with self._lock:

@@ -9,13 +9,11 @@ figures ``/metrics`` shows, every other metric with its attributes, and the gate
 from __future__ import annotations
 
 import asyncio
-import gzip
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
@@ -29,6 +27,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 
 from gateway.instruments import OTLP
 from loadtest.launch import running_server
+from loadtest.otlp_http import OtlpHttpReceiver
 from tests.telemetry.test_otlp_metrics import (
     PER_REQUEST,
     Figures,
@@ -73,34 +72,13 @@ class MetricsCollector:
 
 @contextmanager
 def http_collector(collector: MetricsCollector) -> Iterator[str]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("content-length", "0")))
-            if self.headers.get("content-encoding") == "gzip":
-                body = gzip.decompress(body)
-            if self.path != "/v1/metrics":
-                self.send_error(404)
-                return
-            request = ExportMetricsServiceRequest()
-            request.ParseFromString(body)
-            collector.add(request)
-            answer = ExportMetricsServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("content-type", "application/x-protobuf")
-            self.send_header("content-length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer((HOST, 0), Handler)
-    threading.Thread(target=server.serve_forever, name="otlp-metrics", daemon=True).start()
+    receiver = OtlpHttpReceiver(
+        "/v1/metrics", ExportMetricsServiceRequest, ExportMetricsServiceResponse(), collector.add
+    )
     try:
-        yield f"http://{HOST}:{server.server_address[1]}/v1/metrics"
+        yield f"{receiver.base_url}/v1/metrics"
     finally:
-        server.shutdown()
-        server.server_close()
+        receiver.close()
 
 
 @contextmanager
