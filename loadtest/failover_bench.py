@@ -30,10 +30,11 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,52 @@ async def reference_text(http: httpx.AsyncClient, base_url: str, prompt: str, ma
     response = await http.post(f"{base_url}/v1/completions", json=body)
     response.raise_for_status()
     return str(response.json()["choices"][0]["text"])
+
+
+@dataclass(kw_only=True)
+class Fleet:
+    """A running serve's workers, plus the ones a test starts beside them (replacements, extras)."""
+
+    server: Server
+    address: str  # the gateway's ROUTER, where extra workers dial (serve_worker_address)
+    log_dir: Path  # each extra worker's stderr goes to <log_dir>/<worker id>.log
+    spawned: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    killed: set[str] = field(default_factory=set)
+
+    def live(self) -> dict[str, int]:
+        """worker id → pid of every worker process still running."""
+        found = {w: pid for w, pid in worker_processes(self.server).items() if w not in self.killed}
+        found.update({w: p.pid for w, p in self.spawned.items() if p.poll() is None})
+        return found
+
+    def start(self, worker_id: str, worker_args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        """``tierserve worker --connect <address> --worker-id <worker_id> *worker_args``."""
+        command = [sys.executable, "-m", "worker.cli", "worker", "--connect", self.address,
+                   "--worker-id", worker_id, *worker_args]  # fmt: skip
+        with (self.log_dir / f"{worker_id}.log").open("ab") as log:
+            self.spawned[worker_id] = subprocess.Popen(
+                command, env=dict(env) if env is not None else None, stdout=subprocess.DEVNULL, stderr=log
+            )
+
+    def kill(self, worker_id: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Signal one worker; SIGKILL and SIGTERM count it gone (and reap it if we started it)."""
+        os.kill(self.live()[worker_id], sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self.killed.add(worker_id)
+            if worker_id in self.spawned:
+                self.spawned[worker_id].wait(20)
+
+    def close(self) -> None:
+        for process in self.spawned.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait(10)
+
+
+def serve_worker_address(log_path: Path, model: str) -> str:
+    """The address serve's workers of ``model`` dial, from the line serve prints when it starts them."""
+    line = next(line for line in log_path.read_text().splitlines() if f"worker(s) of '{model}' on" in line)
+    return line.split(" on ")[1].split()[0]
 
 
 def worker_processes(server: Server) -> dict[str, int]:

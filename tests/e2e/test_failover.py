@@ -16,26 +16,23 @@ import asyncio
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
 
 from loadtest.failover_bench import (
+    Fleet,
     StreamResult,
     metric,
     num_ready,
     scrape,
+    serve_worker_address,
     stream_completion,
     wait_for,
-    worker_processes,
 )
-from loadtest.launch import Server, running_server
+from loadtest.launch import running_server
 from worker.mock import MockModel, MockTokenizer
 
 TRIALS = int(os.environ.get("TIERSERVE_FAILOVER_TRIALS", "25"))
@@ -55,57 +52,22 @@ def expected_text(prompt: str, max_tokens: int) -> str:
     return TOKENIZER.decode(MODEL.transcript(TOKENIZER.encode(prompt), max_tokens), skip_special_tokens=True)
 
 
-@dataclass
-class Fleet:
-    """The server, the workers it started, and the ones this test starts to replace or add to them."""
-
-    server: Server
-    address: str  # the gateway's ROUTER, where extra workers dial
-    log_dir: Path
-    spawned: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    killed: set[str] = field(default_factory=set)
-
-    def live(self) -> dict[str, int]:
-        """worker id → pid of every worker process still running."""
-        found = {w: pid for w, pid in worker_processes(self.server).items() if w not in self.killed}
-        found.update({w: p.pid for w, p in self.spawned.items() if p.poll() is None})
-        return found
+class MockFleet(Fleet):
+    """Extra mock workers started beside serve's (replacements, a slow one to stop)."""
 
     def spawn(self, worker_id: str, *, step_ms: float = 5.0) -> None:
-        with (self.log_dir / f"{worker_id}.log").open("ab") as log:
-            self.spawned[worker_id] = subprocess.Popen(
-                [sys.executable, "-m", "worker.cli", "worker", "--mock", "--mock-step-ms", str(step_ms),
-                 "--connect", self.address, "--worker-id", worker_id, "--served-name", "mock"],
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )  # fmt: skip
-
-    def kill(self, worker_id: str, sig: signal.Signals = signal.SIGKILL) -> None:
-        os.kill(self.live()[worker_id], sig)
-        if sig in (signal.SIGKILL, signal.SIGTERM):
-            self.killed.add(worker_id)
-            if worker_id in self.spawned:
-                self.spawned[worker_id].wait(20)
-
-    def close(self) -> None:
-        for process in self.spawned.values():
-            if process.poll() is None:
-                process.kill()
-            process.wait(10)
+        self.start(worker_id, ["--mock", "--mock-step-ms", str(step_ms), "--served-name", "mock"])
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MockFleet]:
     tmp = tmp_path_factory.mktemp("failover")
     config = tmp / "tierserve.toml"
     config.write_text(f"[gateway]\nheartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}\nhang_timeout_s = 5.0\n")
     log_path = tmp / "serve.log"
     with running_server(["--mock", str(NUM_WORKERS), "--config", str(config)], log_path, 60) as server:
         wait_for(lambda: num_ready(server.base_url) == NUM_WORKERS, 60, "the first workers ready")
-        # serve prints the address its workers dial (test_serve reads it the same way).
-        line = next(line for line in log_path.read_text().splitlines() if "worker(s) of 'mock' on" in line)
-        address = line.split(" on ")[1].split()[0]
-        fleet = Fleet(server, address, tmp)
+        fleet = MockFleet(server=server, address=serve_worker_address(log_path, "mock"), log_dir=tmp)
         try:
             yield fleet
         finally:
@@ -138,7 +100,7 @@ def _start(
     return [asyncio.create_task(stream_completion(http, base_url, p, max_tokens)) for p in prompts]
 
 
-def test_kill_9_a_random_worker_mid_stream_loses_and_repeats_nothing(fleet: Fleet) -> None:
+def test_kill_9_a_random_worker_mid_stream_loses_and_repeats_nothing(fleet: MockFleet) -> None:
     """TRIALS times: 4 workers, 8 greedy streams, SIGKILL a random worker at a random moment (and start
     a replacement, so the next trial has 4 again); every transcript must be the no-failure one."""
     rng = random.Random(SEED)
@@ -178,7 +140,7 @@ def test_kill_9_a_random_worker_mid_stream_loses_and_repeats_nothing(fleet: Flee
 
 
 def test_sigstop_ejects_within_twice_the_timeout_then_sigcont_rejoins_and_its_late_tokens_drop(
-    fleet: Fleet,
+    fleet: MockFleet,
 ) -> None:
     """A fifth, slow worker (100 ms steps: stopped, it is almost surely inside a step, so it sends a
     stale TokenBatch when it continues) is SIGSTOPped while it runs streams."""

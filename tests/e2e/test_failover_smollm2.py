@@ -30,12 +30,9 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -43,15 +40,16 @@ import pytest
 
 from gateway.worker_procs import policies_arg, pool_args
 from loadtest.failover_bench import (
+    Fleet,
     StreamResult,
     metric,
     num_ready,
     scrape,
+    serve_worker_address,
     stream_completion,
     wait_for,
-    worker_processes,
 )
-from loadtest.launch import Server, log_tail, running_server
+from loadtest.launch import log_tail, running_server
 from wire.config import ServerConfig, load_config
 from worker.models.store import pull_default_model
 
@@ -93,52 +91,29 @@ PROMPTS = [
 ]
 
 
-@dataclass
-class Fleet:
-    """The server, its config, and the replacement workers this test starts."""
+@dataclass(kw_only=True)
+class SmolFleet(Fleet):
+    """serve's two workers, and the replacements this test starts the way serve starts its own."""
 
-    server: Server
     config: ServerConfig
-    address: str  # the gateway's ROUTER, where replacement workers dial
     model_path: Path
-    tmp: Path
-    spawned: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    killed: set[str] = field(default_factory=set)
-
-    def live(self) -> dict[str, int]:
-        """worker id → pid of every worker process still running."""
-        found = {w: pid for w, pid in worker_processes(self.server).items() if w not in self.killed}
-        found.update({w: p.pid for w, p in self.spawned.items() if p.poll() is None})
-        return found
 
     def spawn(self, worker_id: str) -> None:
         """A worker started as serve starts its own (``gateway/worker_procs.py`` ``spawn``)."""
         pool = self.config.models.pools[0]
-        command = [
-            sys.executable, "-m", "worker.cli", "worker", "--connect", self.address,
-            "--worker-id", worker_id, "--served-name", MODEL, *pool_args(pool), *policies_arg(self.config),
-            "--model", str(self.model_path),
-        ]  # fmt: skip
-        with (self.tmp / f"{worker_id}.log").open("ab") as log:
-            self.spawned[worker_id] = subprocess.Popen(
-                command, env={**os.environ, **WORKER_ENV}, stdout=subprocess.DEVNULL, stderr=log
-            )
-
-    def kill(self, worker_id: str) -> None:
-        os.kill(self.live()[worker_id], signal.SIGKILL)
-        self.killed.add(worker_id)
-        if worker_id in self.spawned:
-            self.spawned[worker_id].wait(20)
-
-    def close(self) -> None:
-        for process in self.spawned.values():
-            if process.poll() is None:
-                process.kill()
-            process.wait(10)
+        args = [
+            "--served-name",
+            MODEL,
+            *pool_args(pool),
+            *policies_arg(self.config),
+            "--model",
+            str(self.model_path),
+        ]
+        self.start(worker_id, args, env={**os.environ, **WORKER_ENV})
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmolFleet]:
     model_path = pull_default_model()
     tmp = tmp_path_factory.mktemp("failover-smollm2")
     config_path = tmp / "tierserve.toml"
@@ -147,19 +122,19 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     with pytest.MonkeyPatch.context() as env:
         for name, value in WORKER_ENV.items():
             env.setenv(name, value)  # serve gives its workers its own environment
-        # serve's config loader refuses TIERSERVE_* variables it does not know (wire/config.py lists the
-        # mock test's TIERSERVE_FAILOVER_TRIALS and _SEED as not config keys, not this one).
-        env.delenv(TRIALS_ENV, raising=False)
         with running_server(["--config", str(config_path)], log_path, READY_TIMEOUT_S) as server:
             wait_for(
                 lambda: num_ready(server.base_url, MODEL) == NUM_WORKERS,
                 READY_TIMEOUT_S,
                 "both workers ready",
             )
-            # serve prints the address its workers dial (test_failover reads it the same way).
-            line = next(line for line in log_path.read_text().splitlines() if f"of '{MODEL}' on" in line)
-            address = line.split(" on ")[1].split()[0]
-            fleet = Fleet(server, load_config(str(config_path)), address, model_path, tmp)
+            fleet = SmolFleet(
+                server=server,
+                address=serve_worker_address(log_path, MODEL),
+                log_dir=tmp,
+                config=load_config(str(config_path)),
+                model_path=model_path,
+            )
             try:
                 yield fleet
             finally:
@@ -229,7 +204,7 @@ def _idle(base_url: str, worker_ids: list[str]) -> bool:
 
 
 @pytest.mark.timeout(2 * READY_TIMEOUT_S + 180 * TRIALS)
-def test_kill_9_a_smollm2_worker_mid_stream_keeps_every_greedy_transcript_exact(fleet: Fleet) -> None:
+def test_kill_9_a_smollm2_worker_mid_stream_keeps_every_greedy_transcript_exact(fleet: SmolFleet) -> None:
     base_url = fleet.server.base_url
     references = asyncio.run(_references(base_url))
     for ref in references.values():  # the prompts were chosen to run to max_tokens: kills land mid-stream
@@ -299,6 +274,6 @@ def test_kill_9_a_smollm2_worker_mid_stream_keeps_every_greedy_transcript_exact(
     )
     print(f"{TRIALS} trials: {int(migrations)} requests migrated, {int(lost)} workers lost")
     assert not problems, "\n".join(
-        [*problems[:20], "serve's log ends with:", log_tail(fleet.tmp / "serve.log")]
+        [*problems[:20], "serve's log ends with:", log_tail(fleet.log_dir / "serve.log")]
     )
     assert lost >= TRIALS, lost
