@@ -261,8 +261,7 @@ class Dispatcher:
             num_prompt_tokens=len(submit.prompt_token_ids),
             context_class=request.context_class,
         )
-        # A resumed request's blocks cover its prompt and the tokens it resumes after.
-        prompt = PromptKey([*submit.prompt_token_ids, *submit.resumed_token_ids], submit.cache_salt)
+        prompt = PromptKey(submit.prompt_token_ids, submit.resumed_token_ids, submit.cache_salt)
         while (
             pick := self.registry.pick(request.model, exclude=exclude, request=route, prompt=prompt)
         ) is not None:

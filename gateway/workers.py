@@ -47,10 +47,18 @@ _STATE_NAMES: dict[WorkerState, WorkerStateName] = {
 
 @dataclass(frozen=True, slots=True)
 class PromptKey:
-    """What prefix matching needs of a prompt: its tokens and the tenant's cache salt."""
+    """What prefix matching needs of a request: its tokens (the prompt, then any tokens a migrated
+    request resumes after: the new worker caches both) and the tenant's cache salt. Joined only when a
+    prefix-aware policy hashes them, so the other policies' placements copy nothing."""
 
-    token_ids: Sequence[int]
+    prompt_token_ids: Sequence[int]
+    resumed_token_ids: Sequence[int]
     cache_salt: str | None
+
+    def token_ids(self) -> Sequence[int]:
+        if not self.resumed_token_ids:
+            return self.prompt_token_ids
+        return [*self.prompt_token_ids, *self.resumed_token_ids]
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,10 +257,11 @@ class WorkerRegistry:
             return None
         hashes: dict[int, list[BlockHash]] = {}  # block size → the prompt's block hashes
         if prompt is not None and getattr(self.routing, "uses_prefix_index", False):
+            token_ids = prompt.token_ids()
             for info in candidates:
                 size = info.prefix.block_size
                 if size not in hashes:
-                    hashes[size] = hash_blocks(prompt.token_ids, size, prompt.cache_salt)
+                    hashes[size] = hash_blocks(token_ids, size, prompt.cache_salt)
         cached = [
             info.prefix.match(hashes[info.prefix.block_size]) * info.prefix.block_size
             if hashes and info.prefix.is_fresh
