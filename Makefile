@@ -38,8 +38,12 @@ lint: bootstrap
 unit: bootstrap
 	$(PY) -m pytest -q -m "not slow"
 
+# The second pass runs the CPU-specific paths (tests marked `isa`: engine, daemon, packing, the real
+# model end to end) again as on an AVX2-only CPU, whatever this machine has: both paths, every machine.
 test: lint model
 	$(PY) -m pytest -q
+	@echo "make test: the CPU-specific tests again as on an AVX2-only CPU (TIERSERVE_CPU_ISA=avx2)"
+	TIERSERVE_CPU_ISA=avx2 $(PY) -m pytest -q -m isa
 
 # Traces into a real APM: Arize Phoenix (~850 MB, pinned, its own venv under .cache/) started by the test,
 # which reads the spans back from Phoenix's REST API. The install retries (pip per download, then the

@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import shutil
 import signal
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 import zmq
@@ -37,7 +39,14 @@ from gateway.app import create_app
 from gateway.dispatch import Dispatcher
 from gateway.state import Gateway
 from gateway.worker_link import worker_link
-from gateway.worker_procs import WORKER_POLICY_KINDS, PoolLaunch, spawn, stop_workers, threads_arg
+from gateway.worker_procs import (
+    WORKER_POLICY_KINDS,
+    PoolLaunch,
+    WorkerProcess,
+    spawn,
+    stop_workers,
+    threads_arg,
+)
 from gateway.workers import WorkerState
 from policies.base import PolicyKind
 from policies.registry import load_policy
@@ -127,7 +136,8 @@ async def _run(
     options: ServeOptions, dispatcher: Dispatcher, curve_args: list[str], telemetry: Telemetry | None
 ) -> int:
     await dispatcher.start()
-    workers: list[subprocess.Popen[bytes]] = []
+    workers: list[WorkerProcess] = []
+    log_dir = Path(tempfile.mkdtemp(prefix="tierserve-workers-"))
     waiter: asyncio.Task[bool] | None = None
     drainer: asyncio.Task[None] | None = None
     try:
@@ -136,7 +146,7 @@ async def _run(
             _say(f"starting {launch.num_workers} worker(s) of {launch.name!r} on {dispatcher.address} "
                  f"({launch.pool.role} pool)")  # fmt: skip
             workers += [
-                spawn(dispatcher.address, i, launch, options.config, [*curve_args, *threads])
+                spawn(dispatcher.address, i, launch, options.config, log_dir, [*curve_args, *threads])
                 for i in range(launch.num_workers)
             ]
         builders = {launch.name: launch.builder for launch in options.pools}
@@ -170,7 +180,12 @@ async def _run(
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await dispatcher.close()
+        crashed = [w for w in workers if w.process.poll() not in (None, 0)]
         stop_workers(workers)
+        if crashed:
+            _say(f"worker logs kept in {log_dir}")
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)
         _say("stopped")
 
 
@@ -192,7 +207,7 @@ def _request_exit(server: uvicorn.Server) -> None:
 
 
 async def _wait_for_workers(
-    dispatcher: Dispatcher, workers: list[subprocess.Popen[bytes]], options: ServeOptions, server: _Server
+    dispatcher: Dispatcher, workers: list[WorkerProcess], options: ServeOptions, server: _Server
 ) -> bool:
     """Report progress until every worker is ready; False (and stop serving) if one of ours exits or
     the deadline passes first. A fleet started elsewhere (``--no-workers``) has no deadline: the
@@ -212,10 +227,10 @@ async def _wait_for_workers(
         if ready != reported:
             _say(f"{ready}/{expected} workers ready")
             reported = ready
-        dead = [w for w in workers if w.poll() is not None]
+        dead = [w for w in workers if w.process.poll() is not None]
         if dead or time.monotonic() > deadline:
-            why = f"worker exited with code {dead[0].returncode}" if dead else "timed out"
-            _say(f"error: workers not ready ({why}); stopping")
+            why = dead[0].start_failure() if dead else f"timed out after {options.ready_timeout_s:g} s"
+            _say(f"error: workers not ready: {why}; stopping")
             server.should_exit = True
             return False
         # Wake on any registry change; the timeout is only so a crashed child is noticed.

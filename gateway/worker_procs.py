@@ -1,5 +1,6 @@
 """How ``tierserve serve`` starts and stops its worker processes: each pool's command line (engine
-settings, policies, context classes, threads, CURVE keys), the environment they inherit, and their end.
+settings, policies, context classes, threads, CURVE keys), the environment they inherit, their log
+files, and their end.
 
 Workers are started by command line only (``python -m worker.cli worker ...``): the gateway never
 imports the worker package, so it stays torch-free. On Linux a worker gets SIGTERM when serve dies,
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from gateway.tokenizer import PromptBuilder
 from policies.base import PolicyKind
@@ -72,18 +74,46 @@ def threads_arg(pools: Sequence[PoolLaunch]) -> list[str]:
     return ["--num-threads", str(max(1, (os.cpu_count() or 1) // max(num_workers, 1)))]
 
 
+@dataclass(slots=True)
+class WorkerProcess:
+    """One worker serve started: its process, its id, and the log file it writes (``--log-file``)."""
+
+    worker_id: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def start_failure(self) -> str:
+        """Why it exited, in one line: its log's last line (``cannot start: ...`` when the engine failed
+        to start), with the log's path for the rest."""
+        try:
+            lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            lines = []
+        cause = lines[-1].strip() if lines else "it logged nothing"
+        code = self.process.returncode
+        return f"worker {self.worker_id!r} exited with code {code}: {cause} (log: {self.log_path})"
+
+
 def spawn(
-    address: str, index: int, launch: PoolLaunch, config: ServerConfig, curve_args: Sequence[str] = ()
-) -> subprocess.Popen[bytes]:
+    address: str,
+    index: int,
+    launch: PoolLaunch,
+    config: ServerConfig,
+    log_dir: Path,
+    curve_args: Sequence[str] = (),
+) -> WorkerProcess:
+    worker_id = f"{launch.worker_prefix or launch.name}-{index}"
+    log_path = log_dir / f"{worker_id}.log"
     command = [
         sys.executable, "-m", "worker.cli", "worker", "--connect", address,
-        "--worker-id", f"{launch.worker_prefix or launch.name}-{index}", "--served-name", launch.name,
+        "--worker-id", worker_id, "--served-name", launch.name, "--log-file", str(log_path),
         *pool_args(launch.pool),
         *policies_arg(config), *curve_args, *launch.worker_args,
     ]  # fmt: skip
-    return subprocess.Popen(
+    process = subprocess.Popen(
         command, env=worker_env(config), preexec_fn=die_with_parent if sys.platform == "linux" else None
     )
+    return WorkerProcess(worker_id, process, log_path)
 
 
 def worker_env(config: ServerConfig) -> dict[str, str]:
@@ -101,12 +131,12 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def stop_workers(workers: list[subprocess.Popen[bytes]]) -> None:
-    for worker in workers:
+def stop_workers(workers: Sequence[WorkerProcess]) -> None:
+    for worker in (w.process for w in workers):
         if worker.poll() is None:
             worker.terminate()
     deadline = time.monotonic() + WORKER_STOP_TIMEOUT_S
-    for worker in workers:
+    for worker in (w.process for w in workers):
         try:
             worker.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:

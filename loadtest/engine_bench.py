@@ -27,6 +27,7 @@ import torch
 
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
+from worker.cpu_isa import probe
 from worker.engine import Engine
 from worker.model_runner import ModelRunner
 from worker.models.cpu_packing import PackedLinear
@@ -170,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: what the engine picks"
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(20, 1000))
@@ -192,9 +195,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
     torch.set_num_threads(args.threads)
     path: Path = resolve_model(args.model)
-    progress(f"model {path}, dtype {args.dtype}, {args.threads} threads")
     engine = Engine.from_config(EngineConfig(model=str(path), dtype=args.dtype, kv_cache_gb=2.0))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    dtype = engine.config.dtype  # "auto" resolved for this CPU; Hugging Face runs the same
+    progress(f"model {path}, dtype {dtype}, {args.threads} threads, cpu {probe().describe()}")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     vocab = engine.model_config.vocab_size
     pad_id = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
     workload = make_workload(
@@ -218,7 +222,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     read_roofline = read_bandwidth * 1e9 / num_weight_bytes
     result = {
         "model": path.name,
-        "dtype": args.dtype,
+        "dtype": dtype,
+        "cpu": probe().describe(),
         "threads": args.threads,
         "num_requests": args.num_requests,
         "total_output_tokens": sum(workload.output_lens),

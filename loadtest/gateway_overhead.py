@@ -148,8 +148,8 @@ def _fmt_tpot(result: StreamResult) -> str:
 def build_engine(model: str, mock: bool) -> Engine:
     from worker.config import EngineConfig
 
-    # The defaults `tierserve worker` runs with (worker/cli.py): dtype bf16, 1 GB KV, 64 seqs, 2048 tokens.
-    config = EngineConfig(model=model, dtype="bfloat16")
+    # The defaults `tierserve worker` runs with (worker/cli.py): dtype auto, 1 GB KV, 64 seqs, 2048 tokens.
+    config = EngineConfig(model=model)
     if mock:
         from worker.mock import MockCost, build_mock_engine
 

@@ -23,21 +23,19 @@ import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
+from worker.cpu_isa import OVERRIDE_ENV, caps_from_flags, read_cpuinfo  # torch-free: /proc/cpuinfo only
+
 BEGIN = "<!-- bench:{name}:begin -->"
 END = "<!-- bench:{name}:end -->"
 
 
 def machine() -> str:
-    """CPU model, cores, OS and Python: enough to tell two recorded runs' machines apart."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
+    """CPU model and ISA (as the engine's probe sees it, TIERSERVE_CPU_ISA included), cores, OS and
+    Python: figures differ by machine, so every recorded one says where it came from."""
+    model_name, flags = read_cpuinfo()
+    cpu = caps_from_flags(flags, model_name, os.environ.get(OVERRIDE_ENV)).describe()
     system = f"{platform.system()} {platform.machine()}"
-    return f"{cpu}, {os.cpu_count()} cores, {system}, Python {platform.python_version()}"
+    return f"{cpu}; {os.cpu_count()} cores, {system}, Python {platform.python_version()}"
 
 
 def recorded_block(figures: Mapping[str, object], when: datetime, where: str) -> str:

@@ -47,6 +47,7 @@ CONFIG_PATH_ENV = "TIERSERVE_CONFIG"
 NON_CONFIG_ENV_VARS = frozenset(
     {
         "TIERSERVE_CACHE",
+        "TIERSERVE_CPU_ISA",  # worker/cpu_isa.py: treat the CPU as a lower ISA level
         CONFIG_PATH_ENV,
         "TIERSERVE_FAILOVER_TRIALS",
         "TIERSERVE_FAILOVER_SEED",
@@ -138,7 +139,8 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 class ModelPool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: Name  # the served model name clients put in "model"
     path: Name = "default"  # a Hugging Face folder, a GGUF file, or "default" (the embedded model)
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # auto: bf16 on CUDA and on CPUs with native bf16 (AVX-512-BF16, AMX), float32 on other CPUs
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     num_workers: PosInt = 1
     kv_cache_gb: PosFloat = 1.0
     max_num_seqs: PosInt = 64

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from policies.registry import PolicyError
 from wire.errors import InvalidRequestError
 from wire.sampling import SamplingParams
+from worker.cpu_isa import CpuIsaError, export_isa_env
 from worker.policy_set import WorkerPolicies
 
 if TYPE_CHECKING:
@@ -29,7 +30,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="default", help="a Hugging Face folder, or 'default' (SmolLM2-135M)"
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="auto: bf16 on CUDA and on CPUs with native bf16, float32 on other CPUs",
+    )
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -116,10 +122,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         help="CURVE: the gateway's public key (.key file); once for every gateway, or once per --connect",
     )
+    worker.add_argument(
+        "--log-file",
+        default=None,
+        metavar="PATH",
+        help="also log here (INFO and up); a failed start ends it with one line: 'cannot start: ...'",
+    )
     worker.add_argument("-v", "--verbose", action="store_true")
     _add_engine_args(worker)
 
     args = parser.parse_args(argv)
+    try:
+        export_isa_env()  # before torch computes anything, so ATen and oneDNN obey TIERSERVE_CPU_ISA too
+    except CpuIsaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.command == "models":
         from worker.models.store import pull_default_model
 
@@ -150,10 +167,7 @@ def _worker(args: argparse.Namespace) -> int:
     from worker.daemon import WorkerDaemon
     from worker.engine import Engine
 
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _configure_logging(args.verbose, args.log_file)
     if args.heartbeat_interval <= 0:
         print("error: --heartbeat-interval must be positive", file=sys.stderr)
         return 2
@@ -178,7 +192,10 @@ def _worker(args: argparse.Namespace) -> int:
             policies=policies,
         )
     else:
-        engine = Engine.from_config(config, policies)
+        try:
+            engine = Engine.from_config(config, policies)
+        except Exception as exc:  # a worker that cannot start says why in one line, then exits 1
+            return _cannot_start(exc, args.log_file)
     logging.getLogger(__name__).info("policies: %s", engine.policies.describe())
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
@@ -201,6 +218,37 @@ def _worker(args: argparse.Namespace) -> int:
         return daemon.run()
     finally:
         telemetry.shutdown()  # flush the last spans before the process goes
+
+
+# The choices a start makes (CPU level, dtype, packing) reach stderr at INFO even without -v.
+STARTUP_LOGGERS = ("worker.cpu_isa", "worker.precision", "worker.models.cpu_packing", "worker.model_runner")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _configure_logging(verbose: bool, log_file: str | None) -> None:
+    """stderr: warnings, the start-up choices, everything with -v; ``log_file``: INFO and up."""
+    console = logging.StreamHandler()
+    console.addFilter(lambda r: verbose or r.levelno >= logging.WARNING or r.name in STARTUP_LOGGERS)
+    handlers: list[logging.Handler] = [console]
+    if log_file:
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, handlers=handlers)
+
+
+def _cannot_start(exc: Exception, log_file: str | None) -> int:
+    """The cause in one line, after its traceback: on stderr, or, with a log file, only there (its last
+    line, which serve shows as the worker's cause)."""
+    import traceback
+
+    line = f"cannot start: {type(exc).__name__}: {' '.join(str(exc).split())}"
+    if log_file:
+        with open(log_file, "a") as out:
+            traceback.print_exception(exc, file=out)
+            out.write(line + "\n")
+    else:
+        traceback.print_exception(exc, file=sys.stderr)
+        print(f"error: {line}", file=sys.stderr)
+    return 1
 
 
 def _addresses(given: list[str]) -> list[str]:
@@ -263,7 +311,14 @@ def _generate(args: argparse.Namespace) -> int:
     from worker.engine import Engine
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    engine = Engine.from_config(_engine_config(args))
+    try:
+        engine = Engine.from_config(_engine_config(args))
+    except Exception as exc:
+        if args.verbose:
+            raise
+        print(f"error: cannot start the engine: {type(exc).__name__}: {' '.join(str(exc).split())} "
+              "(-v for the traceback)", file=sys.stderr)  # fmt: skip
+        return 1
     prompt = (
         args.prompt if args.raw else engine.apply_chat_template([{"role": "user", "content": args.prompt}])
     )

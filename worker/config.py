@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# "auto": chosen by the device and the CPU probe (worker/precision.py) when the engine is built.
+DTYPE_CHOICES = ("auto", *DTYPES)
 # "auto": Triton kernels on CUDA, torch references on CPU. "triton" on CPU needs TRITON_INTERPRET=1
 # (Triton's interpreter: slow, for tests on tiny models).
 KERNEL_BACKENDS = ("auto", "torch", "triton")
@@ -15,7 +17,7 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "default"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
     kv_cache_gb: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_gb (tests use it to force preemption)
@@ -31,8 +33,8 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype: expected one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb: must be positive, got {self.kv_cache_gb}")
         if self.block_size not in (8, 16, 32):
@@ -51,4 +53,6 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is not chosen yet: build through worker.precision.resolve_dtype")
         return DTYPES[self.dtype]

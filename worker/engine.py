@@ -25,6 +25,7 @@ from worker.models.config import ModelConfig
 from worker.models.store import resolve_model
 from worker.outputs import Completion, RequestOutput
 from worker.policy_set import WorkerPolicies
+from worker.precision import resolve_dtype
 from worker.request import FinishReason, Request, TierRef
 from worker.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
 from worker.scheduler import Scheduler, SchedulerConfig
@@ -80,6 +81,7 @@ class Engine:
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        config = resolve_dtype(config)
         model_path = resolve_model(config.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         runner, model_config, num_blocks = build_model_runner(config, model_path)

@@ -16,6 +16,7 @@ Token ids::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 import time
@@ -204,6 +205,8 @@ def build_mock_engine(
 ) -> Engine:
     """An Engine over :class:`MockRunner`; ``config.num_kv_blocks``, when set, wins over ``num_kv_blocks``."""
     runner = MockRunner(config.block_size, model or MockModel(), cost or MockCost())
+    if config.dtype == "auto":
+        config = dataclasses.replace(config, dtype="float32")  # the simulated model's logits
     return Engine(
         config,
         MockTokenizer(),

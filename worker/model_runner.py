@@ -36,8 +36,9 @@ from worker.attention import (
     make_attention_backend,
 )
 from worker.config import EngineConfig
+from worker.cpu_isa import probe
 from worker.models.config import ModelConfig
-from worker.models.cpu_packing import can_pack, pack_linears
+from worker.models.cpu_packing import pack_linears_if_supported
 from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_model
 from worker.request import Request
@@ -268,8 +269,7 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
         from kernels.triton_ops.layer_ops import TritonLayerOps
 
         model.use_kernels(TritonLayerOps(), attention)
-    if can_pack(model):
-        pack_linears(model)
+    pack_linears_if_supported(model, probe() if device.type == "cpu" else None)
     mc = model_config
     bytes_per_block = kv_cache_bytes_per_block(
         mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype

@@ -462,6 +462,7 @@ def engine_text() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.isa
 @pytest.mark.timeout(600)
 @needs_model
 def test_chat_matches_in_process_engine(model_url: str) -> None:
@@ -475,6 +476,7 @@ def test_chat_matches_in_process_engine(model_url: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.isa
 @pytest.mark.timeout(600)
 @needs_model
 def test_32_concurrent_streams_then_disconnects_free_every_block(model_url: str) -> None:

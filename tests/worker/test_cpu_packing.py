@@ -1,4 +1,5 @@
-"""Pre-packed oneDNN linears give bit-identical bfloat16 results to the plain model."""
+"""Pre-packed oneDNN linears give bit-identical bfloat16 results to the plain model, where the CPU can
+run them; where it cannot, the transform is skipped (with its reason) and nothing crashes."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from torch import nn
 
 from tests.worker.test_models_tiny import _save_hf
 from worker.attention import AttentionMetadata, allocate_kv_cache
-from worker.models.cpu_packing import PackedLinear, can_pack, pack_linears
+from worker.cpu_isa import caps_from_flags, probe
+from worker.models.cpu_packing import PackedLinear, can_pack, pack_linears, pack_linears_if_supported
 from worker.models.loader import load_model
 
-pytestmark = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="this PyTorch build has no oneDNN"
-)
+pytestmark = [
+    pytest.mark.isa,
+    pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch build has no oneDNN"),
+]
 
 
 def run(model: nn.Module, token_ids: list[int]) -> torch.Tensor:
@@ -46,7 +49,9 @@ def test_packed_model_is_bit_identical_in_bf16(name: str, tmp_path: Path) -> Non
     _save_hf(name, tmp_path)
     plain, _ = load_model(tmp_path, torch.bfloat16)
     packed, _ = load_model(tmp_path, torch.bfloat16)
-    assert can_pack(packed)
+    why_not = can_pack(packed, probe())
+    if why_not is not None:
+        pytest.skip(f"not packed on this CPU: {why_not}")
     num_linears = sum(isinstance(m, nn.Linear) for m in packed.modules())
     count = pack_linears(packed)
     assert count == num_linears + (1 if plain.lm_head is None else 0)
@@ -59,4 +64,20 @@ def test_packed_model_is_bit_identical_in_bf16(name: str, tmp_path: Path) -> Non
 def test_float32_models_are_not_packed(tmp_path: Path) -> None:
     _save_hf("llama-tied", tmp_path)
     model, _ = load_model(tmp_path, torch.float32)
-    assert not can_pack(model)
+    assert can_pack(model, probe()) == "not a bfloat16 model on CPU"
+    assert pack_linears_if_supported(model, probe()) == 0
+
+
+def test_an_avx2_cpu_leaves_bf16_unpacked_and_still_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _save_hf("llama-tied", tmp_path)
+    plain, _ = load_model(tmp_path, torch.bfloat16)
+    model, _ = load_model(tmp_path, torch.bfloat16)
+    avx2 = caps_from_flags({"avx", "avx2", "fma"}, "an AVX2 CPU")
+    with caplog.at_level("INFO"):
+        assert pack_linears_if_supported(model, avx2) == 0
+    assert "left unpacked" in caplog.text and "avx2" in caplog.text
+    assert any(isinstance(m, nn.Linear) for m in model.modules())
+    tokens = [3, 17, 99, 4, 250, 8]
+    assert torch.equal(run(plain, tokens), run(model, tokens))

@@ -41,10 +41,12 @@ from wire.messages import (
 from wire.sampling import SamplingParams
 from wire.tier import DEFAULT_TIERS
 from worker.config import EngineConfig
+from worker.cpu_isa import probe
 from worker.engine import Engine
 from worker.models.store import DEFAULT_MODEL
+from worker.precision import choose_dtype
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isa]
 
 HEARTBEAT_S = 0.2
 START_TIMEOUT_S = 90.0  # model load on a busy 2-core box
@@ -187,7 +189,8 @@ def worker(gateway: Gateway, register: Register) -> Gateway:
 def test_register_has_sane_fields(register: Register, gateway: Gateway) -> None:
     assert register.worker_id == "worker-a"
     assert register.model == DEFAULT_MODEL
-    assert (register.dtype, register.device) == ("bfloat16", "cpu")
+    # dtype "auto" (the worker's default) resolved as the CPU probe decides: bf16 only where it is native
+    assert (register.dtype, register.device) == (choose_dtype("auto", "cpu", probe()).dtype, "cpu")
     assert register.pid == gateway.process.pid
     assert register.block_size == 16
     assert register.num_kv_blocks > 0
@@ -197,7 +200,7 @@ def test_register_has_sane_fields(register: Register, gateway: Gateway) -> None:
 
 
 def test_greedy_tokens_equal_in_process_generate(worker: Gateway) -> None:
-    engine = Engine.from_config(EngineConfig(dtype="bfloat16", kv_cache_gb=0.25))
+    engine = Engine.from_config(EngineConfig(kv_cache_gb=0.25))
     prompt = engine.apply_chat_template([{"role": "user", "content": "Name three primary colours."}])
     params = SamplingParams(max_tokens=24, temperature=0.0)
     expected = engine.generate([prompt], params)[0]

@@ -14,7 +14,7 @@ from worker.engine import Engine
 from worker.models.store import pull_default_model
 from worker.request import FinishReason
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isa]
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     return Engine.from_config(
-        EngineConfig(model=str(pull_default_model()), dtype="bfloat16", kv_cache_gb=0.25, max_model_len=512)
+        EngineConfig(model=str(pull_default_model()), kv_cache_gb=0.25, max_model_len=512)
     )
 
 

@@ -26,7 +26,7 @@ from worker.models.store import pull_default_model
 from worker.policy_set import WorkerPolicies
 from worker.request import TierRef
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isa]
 
 NEW_TOKENS = 64
 TOP = 5

@@ -32,6 +32,7 @@ from worker.engine import Engine
 from worker.model_runner import DecodeGraphs, ModelRunner, build_model_runner
 from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_model
+from worker.precision import resolve_dtype
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -157,16 +158,17 @@ def test_engine_greedy_tokens_match_the_torch_path(tiny_checkpoint: Path) -> Non
     assert len(set(map(tuple, expected))) > 1, "the prompts should not all continue alike"
 
 
+@pytest.mark.isa
 def test_backend_choice(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner, _, _ = build_model_runner(
-        EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=8), tiny_checkpoint
-    )
+    config = resolve_dtype(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=8, device=DEVICE.type))
+    runner, _, _ = build_model_runner(config, tiny_checkpoint)
     assert runner.backend is (KernelBackend.TRITON if DEVICE.type == "cuda" else KernelBackend.TORCH)
     if DEVICE.type == "cpu":
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
             build_model_runner(
-                EngineConfig(model=str(tiny_checkpoint), kernel_backend="triton"), tiny_checkpoint
+                resolve_dtype(EngineConfig(model=str(tiny_checkpoint), kernel_backend="triton")),
+                tiny_checkpoint,
             )
     with pytest.raises(ValueError, match="cuda_graphs"):
         EngineConfig(cuda_graphs=True, device="cpu")

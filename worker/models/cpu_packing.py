@@ -6,7 +6,8 @@ bit-identical results in bfloat16 (checked in tests). fp32 is left alone: there 
 kernels round differently from the plain path, and fp32 is what we compare with Hugging Face.
 
 Applied like gpt-fast applies quantization: a transform over a built model, not a flag threaded
-through the model code.
+through the model code. oneDNN's bf16 path raises on a CPU without AVX-512 or AVX-NE-CONVERT (an AVX2
+EPYC, say), so the transform asks the CPU probe first and is skipped there with one log line.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import torch
 from torch import nn
 
+from worker.cpu_isa import CpuCaps
 from worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -35,15 +37,26 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def can_pack(model: nn.Module) -> bool:
-    """True for a bfloat16 model on CPU when this PyTorch has the oneDNN linear ops."""
+def can_pack(model: nn.Module, caps: CpuCaps | None) -> str | None:
+    """None when this model can be packed here, else why not. ``caps``: the CPU probe (None off CPU)."""
     weight = next(model.parameters())
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or caps is None:
+        return "not a bfloat16 model on CPU"
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return "this PyTorch build has no oneDNN linear ops"
+    if not caps.can_pack_bf16:
+        return f"oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT; the CPU is {caps.level.label}"
+    return None
+
+
+def pack_linears_if_supported(model: LlamaForCausalLM, caps: CpuCaps | None) -> int:
+    """Pack where the CPU can run it (see :func:`can_pack`); one log line when a bf16 model is skipped."""
+    why_not = can_pack(model, caps)
+    if why_not is None:
+        return pack_linears(model)
+    if caps is not None and next(model.parameters()).dtype == torch.bfloat16:
+        log.info("bf16 linears left unpacked: %s", why_not)
+    return 0
 
 
 def pack_linears(model: LlamaForCausalLM) -> int:
