@@ -30,6 +30,7 @@ from worker.config import EngineConfig
 from worker.cpu_isa import probe
 from worker.engine import Engine
 from worker.model_runner import ModelRunner
+from worker.models.cpu_linear import DecodeLinear
 from worker.models.cpu_packing import PackedLinear
 from worker.models.store import resolve_model
 
@@ -159,7 +160,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
             total += module.weight_bytes
             continue
         is_logits_matrix = isinstance(module, torch.nn.Embedding) and getattr(model, "lm_head", None) is None
-        if isinstance(module, torch.nn.Linear) or is_logits_matrix:
+        if isinstance(module, torch.nn.Linear | DecodeLinear) or is_logits_matrix:
             weight = module.weight
             assert isinstance(weight, torch.Tensor)
             total += weight.numel() * weight.element_size()

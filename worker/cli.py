@@ -44,6 +44,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="context limit in tokens (default: the model's own)"
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--no-cpu-kernels", action="store_true", help="torch's matmuls only, not our C kernels (to compare)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +162,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
+        cpu_kernels=not args.no_cpu_kernels,
     )
 
 
@@ -221,7 +225,14 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 # The choices a start makes (CPU level, dtype, packing) reach stderr at INFO even without -v.
-STARTUP_LOGGERS = ("worker.cpu_isa", "worker.precision", "worker.models.cpu_packing", "worker.model_runner")
+STARTUP_LOGGERS = (
+    "worker.cpu_isa",
+    "worker.precision",
+    "worker.models.cpu_packing",
+    "worker.models.cpu_linear",
+    "kernels.cpu.build",
+    "worker.model_runner",
+)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

@@ -28,6 +28,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     kernel_backend: str = "auto"
+    cpu_kernels: bool = True  # our C kernels where the CPU probe allows (worker/models/cpu_linear.py)
     cuda_graphs: bool = (
         False  # decode-only steps replay CUDA graphs (batch-size buckets); needs CUDA + Triton
     )

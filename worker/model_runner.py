@@ -38,9 +38,11 @@ from worker.attention import (
 from worker.config import EngineConfig
 from worker.cpu_isa import probe
 from worker.models.config import ModelConfig
+from worker.models.cpu_linear import use_decode_linears
 from worker.models.cpu_packing import pack_linears_if_supported
 from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_model
+from worker.models.store import kernel_cache_dir
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
 
@@ -269,7 +271,10 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
         from kernels.triton_ops.layer_ops import TritonLayerOps
 
         model.use_kernels(TritonLayerOps(), attention)
-    pack_linears_if_supported(model, probe() if device.type == "cpu" else None)
+    caps = probe() if device.type == "cpu" and backend is KernelBackend.TORCH else None
+    pack_linears_if_supported(model, caps)
+    if config.cpu_kernels:
+        use_decode_linears(model, caps, kernel_cache_dir())
     mc = model_config
     bytes_per_block = kv_cache_bytes_per_block(
         mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype

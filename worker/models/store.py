@@ -45,6 +45,11 @@ def cache_root() -> Path:
     return Path(override).expanduser() if override else Path.home() / ".cache" / "tierserve" / "models"
 
 
+def kernel_cache_dir() -> Path:
+    """Where compiled CPU kernels are kept (``kernels/cpu/build.py``), beside the models."""
+    return cache_root() / ".kernels"
+
+
 def default_model_dir() -> Path:
     """Where the default model's folder is (or will be, once pulled)."""
     return cache_root() / DEFAULT_MODEL

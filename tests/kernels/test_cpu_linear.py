@@ -1,0 +1,70 @@
+"""The C float32 linear kernels equal their reference (F.linear) across shapes, tails and bias."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.cpu.build import KernelBuildError, compiler, load_library
+from kernels.cpu.linear import ISAS, SOURCE, CpuLinearKernel, linear_reference, load_linear_kernel
+from worker.cpu_isa import IsaLevel, probe
+
+NEEDS = {"avx512": IsaLevel.AVX512, "avx2": IsaLevel.AVX2}
+
+try:
+    compiler()
+    HAS_CC = True
+except KernelBuildError:
+    HAS_CC = False
+pytestmark = pytest.mark.skipif(not HAS_CC, reason="no C compiler on PATH")
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> CpuLinearKernel:
+    isa = request.param
+    if probe().native_level < NEEDS[isa]:
+        pytest.skip(f"this CPU cannot run the {isa} kernel (it is {probe().native_level.label})")
+    return load_linear_kernel(isa, tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 33])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 5), (4, 16), (13, 37), (64, 576), (7, 1536), (130, 200)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_equals_reference(kernel: CpuLinearKernel, rows: int, n: int, k: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n * 10 + k)
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    expected = linear_reference(x, weight, bias)
+    # Another summation order than MKL's: equal to float32 rounding of a k-term dot product.
+    torch.testing.assert_close(kernel.linear(x, weight, bias), expected, rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def test_bad_arguments_name_themselves(kernel: CpuLinearKernel) -> None:
+    x, weight = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="weight: expected"):
+        kernel.linear(x, torch.randn(4, 9), None)
+    with pytest.raises(ValueError, match="x: expected a contiguous"):
+        kernel.linear(torch.randn(8, 2).t(), weight, None)
+    with pytest.raises(ValueError, match="x: expected a contiguous"):
+        kernel.linear(x.double(), weight, None)
+    with pytest.raises(ValueError, match="bias: expected"):
+        kernel.linear(x, weight, torch.randn(5))
+
+
+def test_the_library_is_built_once_per_source_and_compiler(tmp_path: Path) -> None:
+    load_library(SOURCE, tmp_path)
+    [built] = tmp_path.glob("linear_f32-*.so")
+    mtime = built.stat().st_mtime_ns
+    load_library(SOURCE, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [built.name] and built.stat().st_mtime_ns == mtime
+
+
+def test_a_missing_compiler_is_a_build_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(KernelBuildError, match="no C compiler"):
+        load_linear_kernel("avx2", tmp_path)
+    with pytest.raises(ValueError, match="isa: expected one of"):
+        CpuLinearKernel(None, "sse")  # type: ignore[arg-type]  # checked before the library is read

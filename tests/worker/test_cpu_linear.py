@@ -1,0 +1,80 @@
+"""The C-kernel linears transform: greedy output unchanged, every linear swapped, skipped where it must."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.worker.test_models_tiny import _save_hf
+from wire.byte_tokenizer import ByteTokenizer
+from wire.sampling import SamplingParams
+from worker.config import EngineConfig
+from worker.cpu_isa import IsaLevel, caps_from_flags, probe
+from worker.engine import Engine
+from worker.model_runner import ModelRunner, build_model_runner
+from worker.models.cpu_linear import DecodeLinear, use_decode_linears
+from worker.models.loader import load_model
+
+pytestmark = pytest.mark.isa
+AVX2 = {"avx", "avx2", "fma"}
+
+
+def _engine(path: Path, cpu_kernels: bool) -> Engine:
+    config = EngineConfig(
+        model=str(path),
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=8,
+        max_num_seqs=8,
+        cpu_kernels=cpu_kernels,
+    )
+    runner, model_config, num_blocks = build_model_runner(config, path)
+    return Engine(config, ByteTokenizer(), runner, model_config, num_blocks)
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "llama-gqa-untied", "qwen2-qkv-bias-yarn"])
+def test_greedy_output_is_unchanged_alone_and_batched(name: str, tmp_path: Path) -> None:
+    _save_hf(name, tmp_path)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + (i * 11 + j) % 200 for j in range(n)] for i, n in enumerate((2, 9, 17, 30, 5))]
+    plain, fast = _engine(tmp_path, cpu_kernels=False), _engine(tmp_path, cpu_kernels=True)
+    assert isinstance(fast.runner, ModelRunner)
+    plain_model = plain.runner.model
+    num_linears = sum(isinstance(m, nn.Linear) for m in plain_model.modules()) + (plain_model.lm_head is None)
+    num_swapped = sum(isinstance(m, DecodeLinear) for m in fast.runner.model.modules())
+    assert num_swapped == (num_linears if probe().level >= IsaLevel.AVX2 else 0)
+    batched = [c.token_ids for c in fast.generate(prompts, params)]
+    assert batched == [c.token_ids for c in plain.generate(prompts, params)]
+    assert [fast.generate([p], params)[0].token_ids for p in prompts] == batched
+
+
+def test_the_tied_embedding_and_lm_head_share_one_tensor(tmp_path: Path) -> None:
+    _save_hf("llama-tied", tmp_path)
+    model, _ = load_model(tmp_path, torch.float32)
+    before = model.embed_tokens.weight.detach().clone()
+    assert use_decode_linears(model, caps_from_flags(AVX2), tmp_path / "kernels") > 0
+    assert isinstance(model.lm_head, DecodeLinear)
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.embed_tokens.weight, before)
+    assert model.lm_head.kernel.isa == "avx2"
+
+
+def test_skipped_below_avx2_for_bf16_and_without_a_compiler(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _save_hf("llama-tied", tmp_path)
+    model, _ = load_model(tmp_path, torch.float32)
+    with caplog.at_level(logging.INFO):
+        assert use_decode_linears(model, caps_from_flags({"sse2"}), tmp_path) == 0
+        assert "need AVX2, the CPU is default" in caplog.text
+        monkeypatch.setenv("CC", "no-such-compiler")
+        assert use_decode_linears(model, caps_from_flags(AVX2), tmp_path / "k") == 0
+        assert "no C compiler" in caplog.text
+    bf16, _ = load_model(tmp_path, torch.bfloat16)
+    assert use_decode_linears(bf16, caps_from_flags(AVX2), tmp_path) == 0
+    assert use_decode_linears(model, None, tmp_path) == 0
+    assert not any(isinstance(m, DecodeLinear) for m in model.modules())

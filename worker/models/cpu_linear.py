@@ -1,0 +1,96 @@
+"""A CPU transform for a built float32 model: its linears run our C kernel on decode-sized batches.
+
+At batch 1 MKL's sgemm read the cold weights at ~12 GB/s on a 2-core EPYC, the kernel at ~25-30
+(``kernels/cpu/linear_f32.c``); up to ``MAX_ROWS`` rows it was faster at every size measured
+(``docs/benchmarks.md``), past them the layer calls ``F.linear`` (MKL) as before, so prefill is
+unchanged. The weights stay the same tensors (the tied lm_head reads the embedding).
+
+The probe chooses the ISA (AVX-512 or AVX2); below AVX2, without a C compiler, or for a bf16 model
+(oneDNN's packing serves those) the transform is skipped with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.cpu.build import KernelBuildError
+from kernels.cpu.linear import CpuLinearKernel, load_linear_kernel
+from worker.cpu_isa import CpuCaps, IsaLevel
+from worker.models.llama import LlamaForCausalLM
+from worker.models.weight_arena import WeightArena
+
+log = logging.getLogger(__name__)
+
+# Rows up to which the kernel beat MKL on SmolLM2's shapes (2-core EPYC): 32 with AVX-512, 16 with AVX2.
+MAX_ROWS = {"avx512": 32, "avx2": 16}
+
+
+class DecodeLinear(nn.Module):
+    """``F.linear`` whose small batches go to the C kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CpuLinearKernel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # arena memory, not a copy
+        self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
+        self.kernel = kernel
+        self.max_rows = MAX_ROWS[kernel.isa]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows:
+            return self.kernel.linear(x.contiguous(), self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def kernel_isa(caps: CpuCaps) -> str | None:
+    if caps.level >= IsaLevel.AVX512:
+        return "avx512"
+    if caps.level >= IsaLevel.AVX2:
+        return "avx2"
+    return None
+
+
+def use_decode_linears(model: LlamaForCausalLM, caps: CpuCaps | None, cache_dir: Path) -> int:
+    """Swap every nn.Linear (and the tied lm_head) of a float32 CPU model; returns how many (0: skipped,
+    with the reason logged)."""
+    weight = next(model.parameters())
+    if caps is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return 0
+    isa = kernel_isa(caps)
+    if isa is None:
+        log.info("float32 linears left to torch: the C kernels need AVX2, the CPU is %s", caps.level.label)
+        return 0
+    try:
+        kernel = load_linear_kernel(isa, cache_dir)
+    except KernelBuildError as exc:
+        log.info("float32 linears left to torch: %s", exc)
+        return 0
+    linears = [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in list(parent.named_children())
+        if isinstance(child, nn.Linear)
+    ]
+    tied = model.lm_head is None
+    streamed = [child.weight for _, _, child in linears] + ([model.embed_tokens.weight] if tied else [])
+    arena = WeightArena([w.detach() for w in streamed])
+    for (parent, name, child), streamed_weight in zip(linears, arena.tensors, strict=False):
+        setattr(parent, name, DecodeLinear(streamed_weight, child.bias, kernel))
+    if tied:  # the embedding and the logits read one tensor, in the arena
+        model.embed_tokens.weight = nn.Parameter(arena.tensors[-1], requires_grad=False)
+        model.lm_head = DecodeLinear(arena.tensors[-1], None, kernel)
+    model.weight_arena = arena  # type: ignore[assignment]  # owns the mapping the weights live in
+    count = len(linears) + tied
+    log.info(
+        "%d float32 linears use the %s C kernel up to %d rows; %.0f MB of weights on %s pages",
+        count,
+        isa,
+        MAX_ROWS[isa],
+        arena.num_bytes / 1e6,
+        "2 MiB" if arena.huge_pages else "4 KiB",
+    )
+    return count
