@@ -107,11 +107,7 @@ def run_hf_static(model: Any, workload: Workload, batch_size: int, pad_id: int) 
 def single_stream(
     engine: Engine, hf_model: Any, prompt: list[int], num_tokens: int, pad_id: int
 ) -> tuple[float, float]:
-    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm up
-    start = time.perf_counter()
-    engine.generate([prompt], params)
-    ours = num_tokens / (time.perf_counter() - start)
+    ours = engine_single_stream(engine, prompt, num_tokens)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         hf_model.generate(
@@ -126,6 +122,35 @@ def single_stream(
             pad_token_id=pad_id,
         )
     return ours, num_tokens / (time.perf_counter() - start)
+
+
+def engine_single_stream(engine: Engine, prompt: list[int], num_tokens: int) -> float:
+    """Tokens/s of one request end to end, after a warm-up (which also caches the prompt's blocks)."""
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    start = time.perf_counter()
+    engine.generate([prompt], params)
+    return num_tokens / (time.perf_counter() - start)
+
+
+def cpu_kernels_ratio(
+    path: Path, dtype: str, engine: Engine, prompt: list[int], num_tokens: int
+) -> dict[str, float]:
+    """Single stream with our C kernels vs the same engine on torch's matmuls, alternated three times
+    (this VM's memory bandwidth drifts within a minute), each side's best run counted."""
+    base = Engine.from_config(EngineConfig(model=str(path), dtype=dtype, kv_cache_gb=0.5, cpu_kernels=False))
+    ours, theirs = [], []
+    for round_ in range(3):
+        ours.append(engine_single_stream(engine, prompt, num_tokens))
+        theirs.append(engine_single_stream(base, prompt, num_tokens))
+        progress(
+            f"cpu kernels round {round_ + 1}/3: {ours[-1]:.1f} vs {theirs[-1]:.1f} tok/s (torch matmuls)"
+        )
+    return {
+        "cpu_kernels_single_tok_s": round(max(ours), 2),
+        "torch_matmuls_single_tok_s": round(max(theirs), 2),
+        "cpu_kernels_single_ratio": round(max(ours) / max(theirs), 3),
+    }
 
 
 def copy_bandwidth_gb_s(num_bytes: int = 512 * 1024**2, repeats: int = 5) -> float:
@@ -183,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--single-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print only the JSON object on stdout")
+    parser.add_argument(
+        "--cpu-kernels-baseline",
+        action="store_true",
+        help="also single-stream the engine without our C kernels (torch's matmuls), alternating",
+    )
     return parser
 
 
@@ -244,6 +274,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "read_roofline_single_tok_s": round(read_roofline, 2),
         "read_roofline_fraction": round(engine_single / read_roofline, 3),
     }
+    if args.cpu_kernels_baseline:
+        result |= cpu_kernels_ratio(path, dtype, engine, prompt, args.single_tokens)
     return result
 
 

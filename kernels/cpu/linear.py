@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,27 +35,49 @@ class CpuLinearKernel:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K], weight [N, K], bias [N] or None, all float32 on CPU -> [M, N]."""
-        _check(x, "x", 2)
+        return self.bind(weight, bias)(x)
+
+    def bind(self, weight: torch.Tensor, bias: torch.Tensor | None) -> BoundLinear:
+        """The kernel for one layer: its weight and bias checked once, only ``x`` per call."""
         _check(weight, "weight", 2)
-        num_rows, k = x.shape
-        n = weight.shape[0]
-        if weight.shape[1] != k:
-            raise ValueError(
-                f"weight: expected [N, {k}] for x of shape {tuple(x.shape)}, got {tuple(weight.shape)}"
-            )
         if bias is not None:
             _check(bias, "bias", 1)
-            if bias.shape[0] != n:
-                raise ValueError(f"bias: expected [{n}], got {tuple(bias.shape)}")
-        out = torch.empty(num_rows, n, dtype=torch.float32)
+            if bias.shape[0] != weight.shape[0]:
+                raise ValueError(f"bias: expected [{weight.shape[0]}], got {tuple(bias.shape)}")
+        return BoundLinear(self._fn, weight, bias)
+
+
+class BoundLinear:
+    """``x @ weight.T + bias`` by the C kernel; holds the tensors it points into."""
+
+    __slots__ = ("_bias_ptr", "_fn", "_weight_ptr", "bias", "num_in", "num_out", "weight")
+
+    def __init__(self, fn: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self._fn = fn
+        self.weight, self.bias = weight, bias
+        self.num_out, self.num_in = weight.shape
+        self._weight_ptr = weight.data_ptr()
+        self._bias_ptr = None if bias is None else bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dtype != torch.float32
+            or x.dim() != 2
+            or x.shape[1] != self.num_in
+            or not x.is_contiguous()
+            or x.device.type != "cpu"
+        ):
+            _check(x, "x", 2)
+            raise ValueError(f"x: expected [M, {self.num_in}], got {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], self.num_out, dtype=torch.float32)
         self._fn(
             x.data_ptr(),
-            weight.data_ptr(),
-            None if bias is None else bias.data_ptr(),
+            self._weight_ptr,
+            self._bias_ptr,
             out.data_ptr(),
-            num_rows,
-            n,
-            k,
+            x.shape[0],
+            self.num_out,
+            self.num_in,
             torch.get_num_threads(),
         )
         return out

@@ -44,7 +44,7 @@ def test_kernel_equals_reference(kernel: CpuLinearKernel, rows: int, n: int, k: 
 
 def test_bad_arguments_name_themselves(kernel: CpuLinearKernel) -> None:
     x, weight = torch.randn(2, 8), torch.randn(4, 8)
-    with pytest.raises(ValueError, match="weight: expected"):
+    with pytest.raises(ValueError, match="x: expected"):
         kernel.linear(x, torch.randn(4, 9), None)
     with pytest.raises(ValueError, match="x: expected a contiguous"):
         kernel.linear(torch.randn(8, 2).t(), weight, None)

@@ -61,6 +61,7 @@ def test_bench_prints_every_recorded_field(tiny_model: Path, capsys: pytest.Capt
             "4",
             "--single-tokens",
             "8",
+            "--cpu-kernels-baseline",
             "--json",
         ]
     )
@@ -78,8 +79,14 @@ def test_bench_prints_every_recorded_field(tiny_model: Path, capsys: pytest.Capt
         "read_roofline_fraction",
         "roofline_single_tok_s",
         "roofline_fraction",
+        "cpu_kernels_single_tok_s",
+        "torch_matmuls_single_tok_s",
     ):
         assert result[key] > 0, key
+    assert result["cpu_kernels_single_ratio"] == pytest.approx(
+        result["cpu_kernels_single_tok_s"] / result["torch_matmuls_single_tok_s"], rel=0.01
+    )
+    assert result["dtype"] == "float32" and result["cpu"]
     assert result["throughput_ratio"] == pytest.approx(
         result["engine_tok_s"] / result["hf_static_tok_s"], rel=0.01
     )

@@ -39,10 +39,11 @@ class DecodeLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
         self.kernel = kernel
         self.max_rows = MAX_ROWS[kernel.isa]
+        self._bound = kernel.bind(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
-            return self.kernel.linear(x.contiguous(), self.weight, self.bias)
+            return self._bound(x.contiguous())
         return F.linear(x, self.weight, self.bias)
 
 
