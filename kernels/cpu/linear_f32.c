@@ -32,6 +32,8 @@ static inline void tile_avx512(const float *x, const float *w, float *y, const f
             for (int b = 0; b < nr; b++) acc[a][b] = _mm512_fmadd_ps(xv, wv[b], acc[a][b]);
         }
     }
+    /* The tail, masked, apart from the body: masking the body's loads too (one loop) measured 1.4x
+     * slower at 16 rows, where the kernel then lost to MKL. */
     if (k < K) {
         __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);
         __m512 wv[NR];
