@@ -246,12 +246,17 @@ def _configure_logging(verbose: bool, log_file: str | None) -> None:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, handlers=handlers)
 
 
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` with the message's line breaks folded: what a failed start says."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
 def _cannot_start(exc: Exception, log_file: str | None) -> int:
     """The cause in one line, after its traceback: on stderr, or, with a log file, only there (its last
     line, which serve shows as the worker's cause)."""
     import traceback
 
-    line = f"cannot start: {type(exc).__name__}: {' '.join(str(exc).split())}"
+    line = f"cannot start: {_one_line(exc)}"
     if log_file:
         with open(log_file, "a") as out:
             traceback.print_exception(exc, file=out)
@@ -327,8 +332,7 @@ def _generate(args: argparse.Namespace) -> int:
     except Exception as exc:
         if args.verbose:
             raise
-        print(f"error: cannot start the engine: {type(exc).__name__}: {' '.join(str(exc).split())} "
-              "(-v for the traceback)", file=sys.stderr)  # fmt: skip
+        print(f"error: cannot start the engine: {_one_line(exc)} (-v for the traceback)", file=sys.stderr)
         return 1
     prompt = (
         args.prompt if args.raw else engine.apply_chat_template([{"role": "user", "content": args.prompt}])
