@@ -12,9 +12,10 @@ For a step with a decode of request A (context 37) and a prefill chunk of B (tok
 Only the last token of a request whose prompt is now fully computed is turned into logits.
 
 Kernels: the torch references on CPU, the Triton kernels on CUDA (``EngineConfig.kernel_backend``), the
-choice logged once at startup. With ``cuda_graphs``, a decode-only step of B sequences replays a CUDA
-graph captured for the smallest bucket >= B, its inputs padded (see ``DecodeGraphs``); prefill and
-mixed steps run eagerly.
+choice logged once at startup. A decode-only step (every sequence one new token) may take a faster
+road, a ``DecodeStep``: with ``cuda_graphs`` it replays a CUDA graph captured for the smallest bucket
+>= B, its inputs padded (``DecodeGraphs``); on CPU, with ``cpu_kernels``, it runs one fused C call per
+layer (``worker.models.cpu_decode``). Prefill and mixed steps run the model eagerly.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from worker.attention import (
 from worker.config import EngineConfig
 from worker.cpu_isa import probe
 from worker.models.config import ModelConfig
+from worker.models.cpu_decode import fused_decode_step
 from worker.models.cpu_linear import use_decode_linears
 from worker.models.cpu_packing import pack_linears_if_supported
 from worker.models.llama import LlamaForCausalLM
@@ -47,6 +49,21 @@ from worker.request import Request
 from worker.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+
+class DecodeStep(Protocol):
+    """A decode-only step's hidden states [B, hidden] by other means than the eager model."""
+
+    def can_run(self, seq_lens: list[int]) -> bool: ...
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        seq_lens: list[int],
+        block_rows: list[list[int]],
+    ) -> torch.Tensor: ...
 
 
 class StepRunner(Protocol):
@@ -65,14 +82,14 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         backend: KernelBackend = KernelBackend.TORCH,
-        graphs: DecodeGraphs | None = None,
+        decode_step: DecodeStep | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.backend = backend
-        self.graphs = graphs
+        self.decode_step = decode_step
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
@@ -105,10 +122,10 @@ class ModelRunner:
                 sampled.append(request)
 
         device = self.device
-        graphs = self.graphs
-        if graphs is not None and num_decodes == len(scheduled) and graphs.can_run(seq_lens):
+        fast = self.decode_step
+        if fast is not None and num_decodes == len(scheduled) and fast.can_run(seq_lens):
             block_rows = [r.block_ids for r in scheduled]
-            hidden = graphs.run(input_ids, positions, slot_mapping, seq_lens, block_rows)
+            hidden = fast.run(input_ids, positions, slot_mapping, seq_lens, block_rows)
         else:
             max_blocks = max(len(r.block_ids) for r in scheduled)
             block_tables = torch.tensor(
@@ -272,9 +289,9 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
 
         model.use_kernels(TritonLayerOps(), attention)
     caps = probe() if device.type == "cpu" and backend is KernelBackend.TORCH else None
-    pack_linears_if_supported(model, caps)
-    if config.cpu_kernels:
-        use_decode_linears(model, caps, kernel_cache_dir())
+    # Our C kernels first; a bf16 model they do not take (no AVX512-BF16) gets oneDNN's packing.
+    if not (config.cpu_kernels and use_decode_linears(model, caps, kernel_cache_dir())):
+        pack_linears_if_supported(model, caps)
     mc = model_config
     bytes_per_block = kv_cache_bytes_per_block(
         mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype
@@ -299,7 +316,9 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
         num_blocks * bytes_per_block / 1024**3,
         "on" if config.enable_prefix_caching else "off",
     )
-    graphs: DecodeGraphs | None = None
+    decode_step: DecodeStep | None = None
+    if config.cpu_kernels and caps is not None:
+        decode_step = fused_decode_step(model, kv_caches, caps, kernel_cache_dir())
     if config.cuda_graphs:
         if backend is not KernelBackend.TRITON or device.type != "cuda":
             raise ValueError("cuda_graphs: needs the Triton kernels on a cuda device")
@@ -307,8 +326,9 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
         sizes = graph_batch_sizes(config.max_num_seqs)
         graphs = DecodeGraphs(model, kv_caches, config.block_size, max_model_len, sizes, device)
         graphs.capture()
+        decode_step = graphs
         log.info(
             "engine: CUDA graphs captured for decode batch sizes %s (max_model_len %d)", sizes, max_model_len
         )
-    runner = ModelRunner(model, kv_caches, config.block_size, device, backend, graphs)
+    runner = ModelRunner(model, kv_caches, config.block_size, device, backend, decode_step)
     return runner, model_config, num_blocks

@@ -1,6 +1,6 @@
-"""float32 ``x @ w.T + b`` for the few rows of a decode step on CPU: the C kernels' launcher and the
-torch reference (``F.linear``, the spec). The kernels are in ``linear_f32.c``; ``isa`` picks the
-AVX-512 or the AVX2 one (the caller asks the CPU probe which can run).
+"""``x @ w.T + b`` for the few rows of a decode step on CPU: the C kernels' launcher and the torch
+reference (``F.linear``, the spec). float32 (``linear_f32.c``: an AVX-512 and an AVX2 function) and
+bfloat16 (``linear_bf16.c``: AVX512-BF16 only); the caller asks the CPU probe which ISA can run.
 """
 
 from __future__ import annotations
@@ -14,8 +14,15 @@ import torch.nn.functional as F
 
 from kernels.cpu.build import load_library
 
-SOURCE = Path(__file__).with_name("linear_f32.c")
-ISAS = ("avx512", "avx2")
+HERE = Path(__file__).parent
+# (dtype, isa) -> (source, function)
+KERNELS = {
+    (torch.float32, "avx512"): (HERE / "linear_f32.c", "linear_f32_avx512"),
+    (torch.float32, "avx2"): (HERE / "linear_f32.c", "linear_f32_avx2"),
+    (torch.bfloat16, "avx512_bf16"): (HERE / "linear_bf16.c", "linear_bf16_avx512_bf16"),
+}
+SOURCE = HERE / "linear_f32.c"
+ISAS = ("avx512", "avx2")  # the float32 ones
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -23,37 +30,39 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 class CpuLinearKernel:
-    """One ISA's kernel, loaded. ``linear`` checks its arguments (``ValueError`` naming the bad one)."""
+    """One (dtype, ISA) kernel, loaded. ``linear`` checks its arguments (``ValueError`` naming the bad
+    one)."""
 
-    def __init__(self, library: ctypes.CDLL, isa: str) -> None:
-        if isa not in ISAS:
-            raise ValueError(f"isa: expected one of {ISAS}, got {isa!r}")
-        self.isa = isa
-        self._fn = getattr(library, f"linear_f32_{isa}")
+    def __init__(self, library: ctypes.CDLL, isa: str, dtype: torch.dtype = torch.float32) -> None:
+        if (dtype, isa) not in KERNELS:
+            choices = [f"{d} {i}" for d, i in KERNELS]
+            raise ValueError(f"isa: expected one of {choices}, got {dtype} {isa!r}")
+        self.isa, self.dtype = isa, dtype
+        self._fn = getattr(library, KERNELS[dtype, isa][1])
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fn.restype = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K], weight [N, K], bias [N] or None, all float32 on CPU -> [M, N]."""
+        """x [M, K], weight [N, K], bias [N] or None, all of the kernel's dtype on CPU -> [M, N]."""
         return self.bind(weight, bias)(x)
 
     def bind(self, weight: torch.Tensor, bias: torch.Tensor | None) -> BoundLinear:
         """The kernel for one layer: its weight and bias checked once, only ``x`` per call."""
-        _check(weight, "weight", 2)
+        _check(weight, "weight", 2, self.dtype)
         if bias is not None:
-            _check(bias, "bias", 1)
+            _check(bias, "bias", 1, self.dtype)
             if bias.shape[0] != weight.shape[0]:
                 raise ValueError(f"bias: expected [{weight.shape[0]}], got {tuple(bias.shape)}")
-        return BoundLinear(self._fn, weight, bias)
+        return BoundLinear(self._fn, weight, bias, self.dtype)
 
 
 class BoundLinear:
     """``x @ weight.T + bias`` by the C kernel; holds the tensors it points into."""
 
-    __slots__ = ("_bias_ptr", "_fn", "_weight_ptr", "bias", "num_in", "num_out", "weight")
+    __slots__ = ("_bias_ptr", "_fn", "_weight_ptr", "bias", "dtype", "num_in", "num_out", "weight")
 
-    def __init__(self, fn: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self._fn = fn
+    def __init__(self, fn: Any, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self._fn, self.dtype = fn, dtype
         self.weight, self.bias = weight, bias
         self.num_out, self.num_in = weight.shape
         self._weight_ptr = weight.data_ptr()
@@ -61,15 +70,15 @@ class BoundLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if (
-            x.dtype != torch.float32
+            x.dtype != self.dtype
             or x.dim() != 2
             or x.shape[1] != self.num_in
             or not x.is_contiguous()
             or x.device.type != "cpu"
         ):
-            _check(x, "x", 2)
+            _check(x, "x", 2, self.dtype)
             raise ValueError(f"x: expected [M, {self.num_in}], got {tuple(x.shape)}")
-        out = torch.empty(x.shape[0], self.num_out, dtype=torch.float32)
+        out = torch.empty(x.shape[0], self.num_out, dtype=self.dtype)
         self._fn(
             x.data_ptr(),
             self._weight_ptr,
@@ -83,15 +92,17 @@ class BoundLinear:
         return out
 
 
-def _check(t: torch.Tensor, name: str, ndim: int) -> None:
-    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != ndim or not t.is_contiguous():
+def _check(t: torch.Tensor, name: str, ndim: int, dtype: torch.dtype) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or t.dim() != ndim or not t.is_contiguous():
         raise ValueError(
-            f"{name}: expected a contiguous {ndim}-D float32 CPU tensor, got {t.dtype} on {t.device}, "
+            f"{name}: expected a contiguous {ndim}-D {dtype} CPU tensor, got {t.dtype} on {t.device}, "
             f"shape {tuple(t.shape)}, strides {t.stride()}"
         )
 
 
-def load_linear_kernel(isa: str, cache_dir: Path) -> CpuLinearKernel:
-    """Build (once per cache folder) and load the kernel for ``isa``; ``KernelBuildError`` without a
-    working C compiler."""
-    return CpuLinearKernel(load_library(SOURCE, cache_dir), isa)
+def load_linear_kernel(isa: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -> CpuLinearKernel:
+    """Build (once per cache folder) and load the ``dtype`` kernel for ``isa``; ``KernelBuildError``
+    without a working C compiler."""
+    if (dtype, isa) not in KERNELS:
+        raise ValueError(f"isa: no {dtype} kernel for {isa!r}")
+    return CpuLinearKernel(load_library(KERNELS[dtype, isa][0], cache_dir), isa, dtype)

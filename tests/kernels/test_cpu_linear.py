@@ -1,4 +1,5 @@
-"""The C float32 linear kernels equal their reference (F.linear) across shapes, tails and bias."""
+"""The C linear kernels equal their reference (F.linear) across shapes, tails and bias: float32 on AVX-512
+and AVX2, bfloat16 on AVX512-BF16."""
 
 from __future__ import annotations
 
@@ -42,6 +43,32 @@ def test_kernel_equals_reference(kernel: CpuLinearKernel, rows: int, n: int, k: 
     torch.testing.assert_close(kernel.linear(x, weight, bias), expected, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
+@pytest.fixture(scope="module")
+def bf16_kernel(tmp_path_factory: pytest.TempPathFactory) -> CpuLinearKernel:
+    if not probe().native_bf16:
+        pytest.skip(f"this CPU has no AVX512-BF16 (it is {probe().level.label})")
+    return load_linear_kernel("avx512_bf16", tmp_path_factory.mktemp("kernels"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 5), (4, 32), (13, 37), (64, 576), (7, 1536), (130, 200)])
+def test_bf16_kernel_is_the_float32_sum_rounded_once(
+    bf16_kernel: CpuLinearKernel, rows: int, n: int, k: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n * 10 + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    exact = linear_reference(x.float(), weight.float(), bias.float())
+    got = bf16_kernel.linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16
+    # products of bf16 are exact in float32: only the sum's order and the one final rounding differ
+    torch.testing.assert_close(got.float(), exact, rtol=2**-8, atol=1e-5 * k**0.5)
+    # each output summed alike whatever the batch: a row's result does not depend on its neighbours
+    alone = torch.cat([bf16_kernel.linear(x[i : i + 1].contiguous(), weight, bias) for i in range(rows)])
+    assert torch.equal(alone, got)
+
+
 def test_bad_arguments_name_themselves(kernel: CpuLinearKernel) -> None:
     x, weight = torch.randn(2, 8), torch.randn(4, 8)
     with pytest.raises(ValueError, match="x: expected"):
@@ -68,3 +95,5 @@ def test_a_missing_compiler_is_a_build_error(tmp_path: Path, monkeypatch: pytest
         load_linear_kernel("avx2", tmp_path)
     with pytest.raises(ValueError, match="isa: expected one of"):
         CpuLinearKernel(None, "sse")  # type: ignore[arg-type]  # checked before the library is read
+    with pytest.raises(ValueError, match="isa: no torch.bfloat16 kernel for 'avx2'"):
+        load_linear_kernel("avx2", tmp_path, torch.bfloat16)

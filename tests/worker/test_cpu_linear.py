@@ -16,6 +16,7 @@ from worker.config import EngineConfig
 from worker.cpu_isa import IsaLevel, caps_from_flags, probe
 from worker.engine import Engine
 from worker.model_runner import ModelRunner, build_model_runner
+from worker.models.cpu_decode import CpuDecodeStep, fused_decode_step
 from worker.models.cpu_linear import DecodeLinear, use_decode_linears
 from worker.models.loader import load_model
 
@@ -36,7 +37,9 @@ def _engine(path: Path, cpu_kernels: bool) -> Engine:
     return Engine(config, ByteTokenizer(), runner, model_config, num_blocks)
 
 
-@pytest.mark.parametrize("name", ["llama-tied", "llama-gqa-untied", "qwen2-qkv-bias-yarn"])
+@pytest.mark.parametrize(
+    "name", ["llama-tied", "llama-gqa-untied", "qwen2-qkv-bias-yarn", "mistral-sliding-window"]
+)
 def test_greedy_output_is_unchanged_alone_and_batched(name: str, tmp_path: Path) -> None:
     _save_hf(name, tmp_path)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -47,6 +50,9 @@ def test_greedy_output_is_unchanged_alone_and_batched(name: str, tmp_path: Path)
     num_linears = sum(isinstance(m, nn.Linear) for m in plain_model.modules()) + (plain_model.lm_head is None)
     num_swapped = sum(isinstance(m, DecodeLinear) for m in fast.runner.model.modules())
     assert num_swapped == (num_linears if probe().level >= IsaLevel.AVX2 else 0)
+    # decode-only steps take the fused C layer (the prompts' lengths differ: mixed steps happen too)
+    assert isinstance(fast.runner.decode_step, CpuDecodeStep) == (probe().level >= IsaLevel.AVX2)
+    assert plain.runner.decode_step is None
     batched = [c.token_ids for c in fast.generate(prompts, params)]
     assert batched == [c.token_ids for c in plain.generate(prompts, params)]
     assert [fast.generate([p], params)[0].token_ids for p in prompts] == batched
@@ -70,7 +76,7 @@ def test_skipped_below_avx2_for_bf16_and_without_a_compiler(
     model, _ = load_model(tmp_path, torch.float32)
     with caplog.at_level(logging.INFO):
         assert use_decode_linears(model, caps_from_flags({"sse2"}), tmp_path) == 0
-        assert "need AVX2, the CPU is default" in caplog.text
+        assert "it needs AVX2, the CPU is default" in caplog.text
         monkeypatch.setenv("CC", "no-such-compiler")
         assert use_decode_linears(model, caps_from_flags(AVX2), tmp_path / "k") == 0
         assert "no C compiler" in caplog.text
@@ -78,3 +84,17 @@ def test_skipped_below_avx2_for_bf16_and_without_a_compiler(
     assert use_decode_linears(bf16, caps_from_flags(AVX2), tmp_path) == 0
     assert use_decode_linears(model, None, tmp_path) == 0
     assert not any(isinstance(m, DecodeLinear) for m in model.modules())
+
+
+def test_the_fused_decode_step_is_skipped_where_it_cannot_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _save_hf("llama-tied", tmp_path)
+    model, _ = load_model(tmp_path, torch.float32)
+    bf16, _ = load_model(tmp_path, torch.bfloat16)
+    with caplog.at_level(logging.INFO):
+        assert fused_decode_step(model, [], caps_from_flags({"sse2"}), tmp_path) is None
+        assert "no fused C layer: the kernel needs AVX2, the CPU is default" in caplog.text
+        assert fused_decode_step(bf16, [], caps_from_flags(AVX2), tmp_path) is None
+        assert "not a float32 model on CPU" in caplog.text
+    assert fused_decode_step(model, [], None, tmp_path) is None

@@ -135,7 +135,7 @@ def _engine(path: Path, backend: str, graphs: bool = False) -> Engine:
     )
     runner, model_config, num_blocks = build_model_runner(config, path)
     if graphs:  # the static-buffer decode path, run eagerly: buckets 1, 2, 4 with padding
-        runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8, 96, [1, 2, 4], DEVICE)
+        runner.decode_step = DecodeGraphs(runner.model, runner.kv_caches, 8, 96, [1, 2, 4], DEVICE)
     return Engine(config, ByteTokenizer(), runner, model_config, num_blocks)
 
 
@@ -149,10 +149,11 @@ def test_engine_greedy_tokens_match_the_torch_path(tiny_checkpoint: Path) -> Non
     assert [c.token_ids for c in triton_engine.generate(prompts, params)] == expected
     graphed = _engine(tiny_checkpoint, "triton", graphs=True)
     runner = graphed.runner
-    assert isinstance(runner, ModelRunner) and runner.graphs is not None
+    assert isinstance(runner, ModelRunner) and isinstance(runner.decode_step, DecodeGraphs)
     buckets: list[int] = []
-    run = runner.graphs.run
-    runner.graphs.run = lambda *args: (buckets.append(runner.graphs.bucket(len(args[0]))), run(*args))[1]  # type: ignore
+    graphs = runner.decode_step
+    run = graphs.run
+    graphs.run = lambda *args: (buckets.append(graphs.bucket(len(args[0]))), run(*args))[1]  # type: ignore
     assert [c.token_ids for c in graphed.generate(prompts, params)] == expected
     assert buckets and set(buckets) == {4}, "decode steps of 3 sequences replay the padded 4-bucket"
     assert len(set(map(tuple, expected))) > 1, "the prompts should not all continue alike"
@@ -193,6 +194,6 @@ def test_cuda_graphs_replay_matches_eager(tiny_checkpoint: Path) -> None:
         max_model_len=96,
     )
     runner, model_config, num_blocks = build_model_runner(config, tiny_checkpoint)
-    assert runner.graphs is not None and sorted(runner.graphs.graphs) == [1, 2, 4]
+    assert isinstance(runner.decode_step, DecodeGraphs) and sorted(runner.decode_step.graphs) == [1, 2, 4]
     engine = Engine(config, ByteTokenizer(), runner, model_config, num_blocks)
     assert [c.token_ids for c in engine.generate(prompts, params)] == eager

@@ -1,12 +1,13 @@
-"""A CPU transform for a built float32 model: its linears run our C kernel on decode-sized batches.
+"""A CPU transform for a built model: its linears run our C kernels on decode-sized batches.
 
-At batch 1 MKL's sgemm read the cold weights at ~12 GB/s on a 2-core EPYC, the kernel at ~25-30
-(``kernels/cpu/linear_f32.c``); up to ``MAX_ROWS`` rows it was faster at every size measured
-(``docs/benchmarks.md``), past them the layer calls ``F.linear`` (MKL) as before, so prefill is
-unchanged. The weights stay the same tensors (the tied lm_head reads the embedding).
+float32: at batch 1 MKL's sgemm read the cold weights at ~12 GB/s on a 2-core EPYC, the kernel at
+~25-30 (``kernels/cpu/linear_f32.c``). bfloat16 on a CPU with AVX512-BF16: oneDNN's packed GEMV at
+~22, ours (``linear_bf16.c``) at ~52. Up to ``MAX_ROWS`` rows the kernel was faster at every size
+measured (``docs/benchmarks.md``); past them the layer calls ``F.linear`` (prefill: MKL / oneDNN).
+The weights move into one huge-page arena (the tied lm_head reads the embedding, one tensor).
 
-The probe chooses the ISA (AVX-512 or AVX2); below AVX2, without a C compiler, or for a bf16 model
-(oneDNN's packing serves those) the transform is skipped with one log line.
+The probe chooses the ISA; the transform is skipped with one log line below AVX2 (float32), without
+AVX512-BF16 (bfloat16: oneDNN's packing serves those, ``cpu_packing.py``) or without a C compiler.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from worker.models.weight_arena import WeightArena
 
 log = logging.getLogger(__name__)
 
-# Rows up to which the kernel beat MKL on SmolLM2's shapes (2-core EPYC): 32 with AVX-512, 16 with AVX2.
-MAX_ROWS = {"avx512": 32, "avx2": 16}
+# Rows up to which the kernel beat MKL / oneDNN on SmolLM2's shapes (2-core EPYC).
+MAX_ROWS = {"avx512": 32, "avx2": 16, "avx512_bf16": 4}
 
 
 class DecodeLinear(nn.Module):
@@ -47,7 +48,9 @@ class DecodeLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def kernel_isa(caps: CpuCaps) -> str | None:
+def kernel_isa(caps: CpuCaps, dtype: torch.dtype) -> str | None:
+    if dtype == torch.bfloat16:
+        return "avx512_bf16" if caps.native_bf16 else None
     if caps.level >= IsaLevel.AVX512:
         return "avx512"
     if caps.level >= IsaLevel.AVX2:
@@ -56,19 +59,21 @@ def kernel_isa(caps: CpuCaps) -> str | None:
 
 
 def use_decode_linears(model: LlamaForCausalLM, caps: CpuCaps | None, cache_dir: Path) -> int:
-    """Swap every nn.Linear (and the tied lm_head) of a float32 CPU model; returns how many (0: skipped,
-    with the reason logged)."""
+    """Swap every nn.Linear (and the tied lm_head) of a float32 or bfloat16 CPU model; returns how
+    many (0: skipped, with the reason logged)."""
     weight = next(model.parameters())
-    if caps is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+    dtype = weight.dtype
+    if caps is None or weight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return 0
-    isa = kernel_isa(caps)
+    isa = kernel_isa(caps, dtype)
     if isa is None:
-        log.info("float32 linears left to torch: the C kernels need AVX2, the CPU is %s", caps.level.label)
+        need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX2"
+        log.info("%s linears: no C kernel (it needs %s, the CPU is %s)", dtype, need, caps.level.label)
         return 0
     try:
-        kernel = load_linear_kernel(isa, cache_dir)
+        kernel = load_linear_kernel(isa, cache_dir, dtype)
     except KernelBuildError as exc:
-        log.info("float32 linears left to torch: %s", exc)
+        log.info("%s linears: no C kernel: %s", dtype, exc)
         return 0
     linears = [
         (parent, name, child)
@@ -87,8 +92,9 @@ def use_decode_linears(model: LlamaForCausalLM, caps: CpuCaps | None, cache_dir:
     model.weight_arena = arena  # type: ignore[assignment]  # owns the mapping the weights live in
     count = len(linears) + tied
     log.info(
-        "%d float32 linears use the %s C kernel up to %d rows; %.0f MB of weights on %s pages",
+        "%d %s linears use the %s C kernel up to %d rows; %.0f MB of weights on %s pages",
         count,
+        dtype,
         isa,
         MAX_ROWS[isa],
         arena.num_bytes / 1e6,

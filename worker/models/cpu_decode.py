@@ -1,0 +1,163 @@
+"""Decode-only steps of a float32 CPU model, one C call per layer (``kernels/cpu/decode_f32.c``).
+
+A batch-1 step through torch ops is ~45 ops a layer; on SmolLM2 (30 layers, 2-core EPYC) that was
+~7 ms of a 19 ms step on top of reading the weights. The fused layer does the same arithmetic (up to
+float32 rounding: the greedy-equivalence tests run on it) in one call, reading K/V from the paged cache
+in place. The runner uses it as it uses CUDA graphs: for steps where every sequence decodes one token
+and there are at most ``max_rows`` of them; prefill and mixed steps keep the torch path.
+
+Built after ``use_decode_linears`` (same weights, same arena); skipped with one log line where the
+kernel cannot serve the model or the CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from kernels.cpu.build import KernelBuildError
+from kernels.cpu.decode import DecodeLayerKernel, LayerArgs, StepArgs, load_decode_kernel
+from worker.cpu_isa import CpuCaps, IsaLevel
+from worker.models.cpu_linear import MAX_ROWS
+from worker.models.llama import DecoderLayer, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuDecodeStep:
+    """``run`` one decode-only step: hidden states [B, hidden] (final norm applied), as
+    ``LlamaForCausalLM.forward`` returns them."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], kernel: DecodeLayerKernel
+    ) -> None:
+        self.model, self.kv_caches, self.kernel = model, kv_caches, kernel
+        self.max_rows = MAX_ROWS[kernel.isa]
+        cfg = model.config
+        self.sliding_window = cfg.sliding_window or 0
+        self.layers: list[LayerArgs] = []
+        self._keep: list[torch.Tensor] = []  # contiguous copies a pointer refers to (none for our models)
+        for layer, kv in zip(model.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            self.layers.append(self._layer_args(layer, kv))
+        self._work = torch.empty(0)
+
+    def _tensor(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        if not t.is_contiguous():
+            t = t.contiguous()
+            self._keep.append(t)
+        return t.data_ptr()
+
+    def _layer_args(self, layer: DecoderLayer, kv: torch.Tensor) -> LayerArgs:
+        _, _, num_blocks, block_size, _ = kv.shape
+        t = self._tensor
+        return LayerArgs(
+            hidden=layer.o_proj.weight.shape[0],
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            inter=layer.down_proj.weight.shape[1],
+            eps=layer.input_layernorm.eps,
+            scale=layer.scale,
+            ln1=t(layer.input_layernorm.weight),
+            ln2=t(layer.post_attention_layernorm.weight),
+            w_qkv=t(layer.qkv_proj.weight),
+            b_qkv=t(layer.qkv_proj.bias),
+            w_o=t(layer.o_proj.weight),
+            b_o=t(layer.o_proj.bias),
+            w_gate_up=t(layer.gate_up_proj.weight),
+            b_gate_up=t(layer.gate_up_proj.bias),
+            w_down=t(layer.down_proj.weight),
+            b_down=t(layer.down_proj.bias),
+            kv=_ptr(kv),
+            num_blocks=num_blocks,
+            block_size=block_size,
+        )
+
+    def can_run(self, seq_lens: list[int]) -> bool:
+        return len(seq_lens) <= self.max_rows
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        seq_lens: list[int],
+        block_rows: list[list[int]],
+    ) -> torch.Tensor:
+        model = self.model
+        num_rows = len(input_ids)
+        hidden = model.embed_tokens(torch.tensor(input_ids, dtype=torch.int64))
+        residual = torch.empty_like(hidden)
+        cos_sin = model.cos_sin_cache[torch.tensor(positions, dtype=torch.int64)]
+        header = torch.tensor([slot_mapping, seq_lens], dtype=torch.int64)
+        width = max(len(row) for row in block_rows)
+        tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int64)
+        need = self.kernel.work_floats(self.layers[0], num_rows)
+        if self._work.numel() < need:
+            self._work = torch.empty(need, dtype=torch.float32)
+        step = StepArgs(
+            num_rows=num_rows,
+            hidden=hidden.data_ptr(),
+            residual=residual.data_ptr(),
+            first=1,
+            cos_sin=cos_sin.data_ptr(),
+            slots=header[0].data_ptr(),
+            block_tables=tables.data_ptr(),
+            table_width=width,
+            seq_lens=header[1].data_ptr(),
+            sliding_window=self.sliding_window,
+            work=self._work.data_ptr(),
+            num_threads=torch.get_num_threads(),
+        )
+        call, step_ref = self.kernel.layer, ctypes.byref(step)
+        for layer in self.layers:
+            call(ctypes.byref(layer), step_ref)
+            step.first = 0
+        norm = model.norm
+        hidden, _ = model.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return hidden
+
+
+def why_not_fused(model: LlamaForCausalLM, caps: CpuCaps | None, max_head_dim: int) -> str | None:
+    """None when the fused decode step can serve this model here, else why not."""
+    weight = next(model.parameters())
+    cfg = model.config
+    if caps is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return "not a float32 model on CPU"
+    if caps.level < IsaLevel.AVX2:
+        return f"the kernel needs AVX2, the CPU is {caps.level.label}"
+    if cfg.head_dim > max_head_dim or cfg.head_dim % 2:
+        return f"head_dim {cfg.head_dim} (the kernel takes even ones up to {max_head_dim})"
+    return None
+
+
+def fused_decode_step(
+    model: LlamaForCausalLM, kv_caches: list[torch.Tensor], caps: CpuCaps | None, cache_dir: Path
+) -> CpuDecodeStep | None:
+    """The fused decode step for this model, or None (the reason logged once)."""
+    weight = next(model.parameters())
+    if caps is None or weight.device.type != "cpu":
+        return None
+    isa = "avx512" if caps.level >= IsaLevel.AVX512 else "avx2"
+    try:
+        kernel = load_decode_kernel(isa, cache_dir) if caps.level >= IsaLevel.AVX2 else None
+    except KernelBuildError as exc:
+        log.info("decode steps: no fused C layer: %s", exc)
+        return None
+    why_not = why_not_fused(model, caps, kernel.max_head_dim if kernel else 0)
+    if why_not is not None or kernel is None:
+        log.info("decode steps: no fused C layer: %s", why_not)
+        return None
+    step = CpuDecodeStep(model, kv_caches, kernel)
+    log.info("decode steps of up to %d sequences: one fused %s C call per layer", step.max_rows, isa)
+    return step
