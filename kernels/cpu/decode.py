@@ -1,4 +1,6 @@
-"""One whole decoder layer of a float32 decode-only step in C (``decode_f32.c``): the launcher.
+"""One whole decoder layer of a decode-only step in C: the launcher. ``decode_f32.c`` (float32, an
+AVX-512 and an AVX2 build) and ``decode_bf16.c`` (bfloat16 weights and cache, AVX512-BF16), both over
+the body in ``decode_layer.h``.
 
 The torch reference is the model's own layer (``worker.models.llama.DecoderLayer`` over
 ``TorchPagedAttention``): the tests run both on the same weights and cache. ``LayerArgs`` holds what
@@ -11,10 +13,17 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import torch
+
 from kernels.cpu.build import load_library
 
-SOURCE = Path(__file__).with_name("decode_f32.c")
-ISAS = ("avx512", "avx2")
+HERE = Path(__file__).parent
+# (dtype, isa) -> (source, prefix of its functions)
+KERNELS = {
+    (torch.float32, "avx512"): (HERE / "decode_f32.c", "decode_f32"),
+    (torch.float32, "avx2"): (HERE / "decode_f32.c", "decode_f32"),
+    (torch.bfloat16, "avx512_bf16"): (HERE / "decode_bf16.c", "decode_bf16"),
+}
 
 
 class LayerArgs(ctypes.Structure):
@@ -64,25 +73,26 @@ class StepArgs(ctypes.Structure):
 
 
 class DecodeLayerKernel:
-    """One ISA's build of decode_f32.c, loaded."""
+    """One (dtype, ISA) build, loaded."""
 
-    def __init__(self, library: ctypes.CDLL, isa: str) -> None:
-        self.isa = isa
-        self.layer = library.decode_f32_layer
+    def __init__(self, library: ctypes.CDLL, isa: str, dtype: torch.dtype, prefix: str) -> None:
+        self.isa, self.dtype = isa, dtype
+        self.layer = getattr(library, f"{prefix}_layer")
         self.layer.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(StepArgs)]
         self.layer.restype = None
-        self._work_floats = library.decode_f32_work_floats
+        self._work_floats = getattr(library, f"{prefix}_work_floats")
         self._work_floats.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_int64]
         self._work_floats.restype = ctypes.c_int64
-        self.max_head_dim = int(library.decode_f32_max_head_dim())
+        self.max_head_dim = int(getattr(library, f"{prefix}_max_head_dim")())
 
     def work_floats(self, layer: LayerArgs, num_rows: int) -> int:
         """Scratch floats one call on ``num_rows`` rows needs (every layer of a model needs the same)."""
         return int(self._work_floats(ctypes.byref(layer), num_rows))
 
 
-def load_decode_kernel(isa: str, cache_dir: Path) -> DecodeLayerKernel:
-    """Build (once per cache folder and ISA) and load; ``KernelBuildError`` without a C compiler."""
-    if isa not in ISAS:
-        raise ValueError(f"isa: expected one of {ISAS}, got {isa!r}")
-    return DecodeLayerKernel(load_library(SOURCE, cache_dir, isa), isa)
+def load_decode_kernel(isa: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -> DecodeLayerKernel:
+    """Build (once per cache folder, dtype and ISA) and load; ``KernelBuildError`` without a C compiler."""
+    if (dtype, isa) not in KERNELS:
+        raise ValueError(f"isa: no {dtype} decode kernel for {isa!r}; there are {sorted(map(str, KERNELS))}")
+    source, prefix = KERNELS[dtype, isa]
+    return DecodeLayerKernel(load_library(source, cache_dir, isa), isa, dtype, prefix)

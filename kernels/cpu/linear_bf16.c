@@ -6,28 +6,37 @@
  * read from memory once and from L1 for every further tile of x rows. With the weights on 2 MiB pages
  * this read SmolLM2's layers at ~50 GB/s on a 2-core EPYC, oneDNN's packed bf16 GEMV at 22.
  *
+ * A tile's 16 accumulators are reduced together, transposed (reduce16: ~2 instructions an output
+ * where a horizontal sum each took ~8, as many as the dot products of a 576-long row).
  * Every (m, n) output is summed in the same order whatever M and whichever tile it falls in (one
- * accumulator per output, k in steps of 32, one reduction, then the bias), so a row's result does not
- * depend on the batch it came in: batching does not change greedy output. Rounding to bf16 is
- * round-to-nearest-even, as torch's. OpenMP as in linear_f32.c.
+ * accumulator per output, k in steps of 32, reduce16's tree, then the bias; tree_sum is that tree
+ * for one accumulator), so a row's result does not depend on the batch it came in: batching does not
+ * change greedy output. Rounding to bf16 is round-to-nearest-even, as torch's. OpenMP as in
+ * linear_f32.c.
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define NR 4 /* w rows per tile */
 #define MR 4 /* x rows per tile: 16 accumulators, 4 w vectors and an x vector of the 32 registers */
 
 static inline float from_bf16(uint16_t h) {
-    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
-    return v.f;
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
 static inline uint16_t to_bf16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7F800000u) == 0x7F800000u && (v.u & 0x007FFFFFu)) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t nan = (u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu);
+    return nan ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+
+static inline float as_float(float f) { return f; }
 
 TARGET static inline __m512bh load(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
 
@@ -35,9 +44,35 @@ TARGET static inline __m512bh load_masked(__mmask32 mask, const uint16_t *p) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-/* One tile of MR_ x rows by NR_ w rows, both compile-time (the accumulators stay in registers). */
-#define TILE(MR_, NR_)                                                                                   \
-    TARGET static void tile_##MR_##x##NR_(const uint16_t *x, const uint16_t *w, uint16_t *y,             \
+/* Lane j of the result: the sum of a[j]'s 16 lanes. Per accumulator, with x_Li lane i of 128-bit
+ * lane L: s_L = (x_L0 + x_L2) + (x_L1 + x_L3), then (s_0 + s_2) + (s_1 + s_3). */
+TARGET static inline __m512 reduce16(const __m512 a[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+
+/* reduce16's tree for one accumulator. */
+TARGET static inline float tree_sum(__m512 v) {
+    float x[16];
+    _mm512_storeu_ps(x, v);
+    float s[4];
+    for (int L = 0; L < 4; L++) s[L] = (x[4 * L] + x[4 * L + 2]) + (x[4 * L + 1] + x[4 * L + 3]);
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+/* One tile of MR_ x rows by NR_ w rows, both compile-time (the accumulators stay in registers);
+ * OUT_T / TO_OUT: the output's type and rounding (bf16 for torch's layers, float for decode_bf16.c). */
+#define TILE(MR_, NR_, SUF, OUT_T, TO_OUT)                                                               \
+    TARGET static void tile_##MR_##x##NR_##SUF(const uint16_t *x, const uint16_t *w, OUT_T *y,           \
                                           const uint16_t *bias, int64_t m0, int64_t n0, int64_t N,       \
                                           int64_t K) {                                                   \
         __m512 acc[MR_][NR_];                                                                            \
@@ -61,35 +96,59 @@ TARGET static inline __m512bh load_masked(__mmask32 mask, const uint16_t *p) {
                 for (int b = 0; b < NR_; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[b], xv);        \
             }                                                                                            \
         }                                                                                                \
+        float dots[16];                                                                                  \
+        if (MR_ * NR_ == 1) {                                                                            \
+            dots[0] = tree_sum(acc[0][0]);                                                               \
+        } else {                                                                                         \
+            __m512 flat[16];                                                                             \
+            for (int j = 0; j < 16; j++) flat[j] = _mm512_setzero_ps();                                  \
+            for (int a = 0; a < MR_; a++)                                                                \
+                for (int b = 0; b < NR_; b++) flat[a * 4 + b] = acc[a][b];                               \
+            _mm512_storeu_ps(dots, reduce16(flat));                                                      \
+        }                                                                                                \
         for (int a = 0; a < MR_; a++)                                                                    \
             for (int b = 0; b < NR_; b++) {                                                              \
-                float dot = _mm512_reduce_add_ps(acc[a][b]);                                             \
-                y[(m0 + a) * N + n0 + b] = to_bf16(bias ? dot + from_bf16(bias[n0 + b]) : dot);         \
+                float dot = dots[MR_ * NR_ == 1 ? 0 : a * 4 + b];                                        \
+                y[(m0 + a) * N + n0 + b] = TO_OUT(bias ? dot + from_bf16(bias[n0 + b]) : dot);          \
             }                                                                                            \
     }
 
-TILE(1, 4)
-TILE(2, 4)
-TILE(3, 4)
-TILE(4, 4)
-TILE(1, 1)
-
-typedef void (*tile_fn)(const uint16_t *, const uint16_t *, uint16_t *, const uint16_t *, int64_t, int64_t,
-                        int64_t, int64_t);
-static const tile_fn TILES[MR + 1] = {0, tile_1x4, tile_2x4, tile_3x4, tile_4x4};
-
-TARGET void linear_bf16_avx512_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                                    int64_t M, int64_t N, int64_t K, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += NR) {
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            int64_t mr = M - m0 < MR ? M - m0 : MR;
-            if (N - n0 >= NR) {
-                TILES[mr](x, w, y, bias, m0, n0, N, K);
-            } else { /* the last few w rows, one output at a time: the same sums */
-                for (int64_t a = m0; a < m0 + mr; a++)
-                    for (int64_t n = n0; n < N; n++) tile_1x1(x, w, y, bias, a, n, N, K);
-            }
-        }
+/* The entry point: tiles of MR x NR, the last w rows one output at a time (the same sums); one x row
+ * goes w row by row (one stream per thread: faster at batch 1, still the same sum per output). */
+#define DEFINE_LINEAR(NAME, SUF, OUT_T)                                                                         \
+    TILE(1, 4, SUF, OUT_T, CONVERT##SUF)                                                                 \
+    TILE(2, 4, SUF, OUT_T, CONVERT##SUF)                                                                 \
+    TILE(3, 4, SUF, OUT_T, CONVERT##SUF)                                                                 \
+    TILE(4, 4, SUF, OUT_T, CONVERT##SUF)                                                                 \
+    TILE(1, 1, SUF, OUT_T, CONVERT##SUF)                                                                 \
+    TARGET void NAME(const uint16_t *x, const uint16_t *w, const uint16_t *bias, OUT_T *y, int64_t M,     \
+                     int64_t N, int64_t K, int num_threads) {                                            \
+        if (M == 1) {                                                                                    \
+            _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                       \
+            for (int64_t n = 0; n < N; n++) tile_1x1##SUF(x, w, y, bias, 0, n, N, K);                    \
+            return;                                                                                      \
+        }                                                                                                \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                           \
+        for (int64_t n0 = 0; n0 < N; n0 += NR) {                                                         \
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {                                                     \
+                int64_t mr = M - m0 < MR ? M - m0 : MR;                                                  \
+                if (N - n0 < NR) {                                                                       \
+                    for (int64_t a = m0; a < m0 + mr; a++)                                               \
+                        for (int64_t n = n0; n < N; n++) tile_1x1##SUF(x, w, y, bias, a, n, N, K);       \
+                } else if (mr == 4) {                                                                    \
+                    tile_4x4##SUF(x, w, y, bias, m0, n0, N, K);                                          \
+                } else if (mr == 3) {                                                                    \
+                    tile_3x4##SUF(x, w, y, bias, m0, n0, N, K);                                          \
+                } else if (mr == 2) {                                                                    \
+                    tile_2x4##SUF(x, w, y, bias, m0, n0, N, K);                                          \
+                } else {                                                                                 \
+                    tile_1x4##SUF(x, w, y, bias, m0, n0, N, K);                                          \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
     }
-}
+
+#define CONVERT_bf16 to_bf16
+#define CONVERT_f32 as_float
+DEFINE_LINEAR(linear_bf16_avx512_bf16, _bf16, uint16_t)
+DEFINE_LINEAR(linear_bf16_f32out_avx512_bf16, _f32, float)

@@ -1,8 +1,9 @@
 """The fused C decode layer equals the model's torch path: same hidden states, same K/V written.
 
 Tiny random-weight models of each family (GQA, biases, Qwen2's one KV head, Mistral's sliding window),
-decode rows over shuffled blocks whose contexts span several of the kernel's 32-key chunks, both ISAs
-the CPU can run.
+decode rows over shuffled blocks whose contexts span several of the kernel's 32-key chunks, every build
+the CPU can run: float32 on AVX-512 and AVX2 (equal up to float32 rounding), bfloat16 on AVX512-BF16
+(within bf16 rounding: the kernel keeps activations in float32 where torch rounds after each op).
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import pytest
 import torch
 
 from kernels.cpu.build import KernelBuildError, compiler
-from kernels.cpu.decode import ISAS, DecodeLayerKernel, load_decode_kernel
+from kernels.cpu.decode import KERNELS, DecodeLayerKernel, load_decode_kernel
 from tests.worker.test_models_tiny import _save_hf
 from worker.attention import AttentionMetadata, allocate_kv_cache
 from worker.cpu_isa import IsaLevel, probe
 from worker.models.cpu_decode import CpuDecodeStep
 from worker.models.loader import load_model
 
-NEEDS = {"avx512": IsaLevel.AVX512, "avx2": IsaLevel.AVX2}
+NEEDS = {"avx512": IsaLevel.AVX512, "avx2": IsaLevel.AVX2, "avx512_bf16": IsaLevel.AVX512_BF16}
 BLOCK_SIZE = 4
 NUM_BLOCKS = 160
 
@@ -33,33 +34,43 @@ except KernelBuildError:
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(not HAS_CC, reason="no C compiler on PATH")]
 
 
-@pytest.fixture(scope="module", params=ISAS)
+@pytest.fixture(
+    scope="module", params=list(KERNELS), ids=lambda key: f"{key[0]}-{key[1]}".replace("torch.", "")
+)
 def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DecodeLayerKernel:
-    isa = request.param
-    if probe().level < NEEDS[isa]:
+    dtype, isa = request.param
+    if probe().level < NEEDS[isa] or (dtype == torch.bfloat16 and not probe().native_bf16):
         pytest.skip(f"this CPU (as probed) cannot run the {isa} build (it is {probe().level.label})")
-    return load_decode_kernel(isa, tmp_path_factory.mktemp("kernels"))
+    return load_decode_kernel(isa, tmp_path_factory.mktemp("kernels"), dtype)
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-gqa-untied", "llama-biases-linear-rope", "qwen2-qkv-bias-yarn", "mistral-sliding-window"]
+    "name",
+    [
+        "llama-gqa-untied",
+        "llama-biases-linear-rope",
+        "qwen2-qkv-bias-yarn",
+        "mistral-sliding-window",
+        "llama-head-dim-12",  # attention a head at a time (head_dim no multiple of the vector width)
+    ],
 )
 @pytest.mark.parametrize("seq_lens", [[1], [37], [100, 3, 64, 33, 9]])
 def test_fused_step_equals_the_torch_path(
     kernel: DecodeLayerKernel, name: str, seq_lens: list[int], tmp_path: Path
 ) -> None:
     _save_hf(name, tmp_path)
-    model, cfg = load_model(tmp_path, torch.float32)
+    dtype = kernel.dtype
+    model, cfg = load_model(tmp_path, dtype)
     rng = random.Random(len(seq_lens) * 100 + seq_lens[0])
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     rows = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
     caches = allocate_kv_cache(
-        cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu"
+        cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu"
     )
     gen = torch.Generator().manual_seed(7)
     for cache in caches:  # the earlier tokens' K/V: any values attend alike on both paths
-        cache.copy_(torch.randn(cache.shape, generator=gen))
+        cache.copy_(torch.randn(cache.shape, generator=gen).to(dtype))
     fused_caches = [c.clone() for c in caches]
     input_ids = [rng.randrange(3, cfg.vocab_size) for _ in seq_lens]
     positions = [n - 1 for n in seq_lens]
@@ -80,7 +91,14 @@ def test_fused_step_equals_the_torch_path(
     with torch.inference_mode():
         expected = model(torch.tensor(input_ids), torch.tensor(positions), caches, meta)
         got = CpuDecodeStep(model, fused_caches, kernel).run(input_ids, positions, slots, seq_lens, rows)
-    # float32 in another summation order (and a few-ulp exp): far below what a wrong index would give
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    for ours, theirs in zip(fused_caches, caches, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert got.dtype == expected.dtype == dtype
+    if dtype == torch.float32:
+        # another summation order (and a few-ulp exp): far below what a wrong index would give
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for ours, theirs in zip(fused_caches, caches, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        return
+    # bf16: torch rounds ~10 times a layer, the kernel twice: within a few % of the values' scale
+    for ours, theirs in [(got, expected), *zip(fused_caches, caches, strict=True)]:
+        error = (ours.float() - theirs.float()).abs().max().item()
+        assert error < 0.05 * theirs.float().abs().max().item(), error

@@ -95,5 +95,5 @@ def test_a_missing_compiler_is_a_build_error(tmp_path: Path, monkeypatch: pytest
         load_linear_kernel("avx2", tmp_path)
     with pytest.raises(ValueError, match="isa: expected one of"):
         CpuLinearKernel(None, "sse")  # type: ignore[arg-type]  # checked before the library is read
-    with pytest.raises(ValueError, match="isa: no torch.bfloat16 kernel for 'avx2'"):
+    with pytest.raises(ValueError, match=r"isa: no torch\.bfloat16 kernel for 'avx2'"):
         load_linear_kernel("avx2", tmp_path, torch.bfloat16)

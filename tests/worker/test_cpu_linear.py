@@ -96,5 +96,7 @@ def test_the_fused_decode_step_is_skipped_where_it_cannot_run(
         assert fused_decode_step(model, [], caps_from_flags({"sse2"}), tmp_path) is None
         assert "no fused C layer: the kernel needs AVX2, the CPU is default" in caplog.text
         assert fused_decode_step(bf16, [], caps_from_flags(AVX2), tmp_path) is None
-        assert "not a float32 model on CPU" in caplog.text
+        assert "a bfloat16 model needs AVX512-BF16, the CPU is avx2" in caplog.text
+        assert fused_decode_step(model.half(), [], caps_from_flags(AVX2), tmp_path) is None
+        assert "not a float32 or bfloat16 model on CPU" in caplog.text
     assert fused_decode_step(model, [], None, tmp_path) is None

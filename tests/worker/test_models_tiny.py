@@ -67,6 +67,8 @@ MODELS: dict[str, Callable[[], transformers.PreTrainedConfig]] = {
     "mistral-sliding-window": lambda: transformers.MistralConfig(
         **{**TINY, "num_key_value_heads": 4}, sliding_window=8
     ),
+    # head_dim 12: no multiple of a vector (the fused CPU layer's per-head attention path)
+    "llama-head-dim-12": lambda: transformers.LlamaConfig(**{**TINY, "hidden_size": 48}),
 }
 MODEL_CLASSES = {
     "LlamaConfig": transformers.LlamaForCausalLM,

@@ -1,9 +1,11 @@
-"""Decode-only steps of a float32 CPU model, one C call per layer (``kernels/cpu/decode_f32.c``).
+"""Decode-only steps of a CPU model, one C call per layer (``kernels/cpu/decode_f32.c``, and
+``decode_bf16.c`` for bfloat16 models on AVX512-BF16 CPUs).
 
 A batch-1 step through torch ops is ~45 ops a layer; on SmolLM2 (30 layers, 2-core EPYC) that was
-~7 ms of a 19 ms step on top of reading the weights. The fused layer does the same arithmetic (up to
-float32 rounding: the greedy-equivalence tests run on it) in one call, reading K/V from the paged cache
-in place. The runner uses it as it uses CUDA graphs: for steps where every sequence decodes one token
+~7 ms of a 19 ms float32 step on top of reading the weights. The fused layer does the same arithmetic
+(float32: up to rounding, and the greedy-equivalence tests run on it; bfloat16: activations stay
+float32 through a layer, where torch rounds after every op) in one call, reading K/V from the paged
+cache in place. The runner uses it as it uses CUDA graphs: for steps where every sequence decodes one token
 and there are at most ``max_rows`` of them; prefill and mixed steps keep the torch path.
 
 Built after ``use_decode_linears`` (same weights, same arena); skipped with one log line where the
@@ -96,7 +98,8 @@ class CpuDecodeStep:
     ) -> torch.Tensor:
         model = self.model
         num_rows = len(input_ids)
-        hidden = model.embed_tokens(torch.tensor(input_ids, dtype=torch.int64))
+        # float32 through the layers whatever the model's dtype (a no-op copy-free for float32)
+        hidden = model.embed_tokens(torch.tensor(input_ids, dtype=torch.int64)).float()
         residual = torch.empty_like(hidden)
         cos_sin = model.cos_sin_cache[torch.tensor(positions, dtype=torch.int64)]
         header = torch.tensor([slot_mapping, seq_lens], dtype=torch.int64)
@@ -123,41 +126,48 @@ class CpuDecodeStep:
         for layer in self.layers:
             call(ctypes.byref(layer), step_ref)
             step.first = 0
-        norm = model.norm
-        hidden, _ = model.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        norm, dtype = model.norm, self.kernel.dtype
+        hidden, _ = model.ops.fused_add_rms_norm(hidden.to(dtype), residual.to(dtype), norm.weight, norm.eps)
         return hidden
 
 
-def why_not_fused(model: LlamaForCausalLM, caps: CpuCaps | None, max_head_dim: int) -> str | None:
-    """None when the fused decode step can serve this model here, else why not."""
+def fused_isa(model: LlamaForCausalLM, caps: CpuCaps) -> tuple[str | None, str]:
+    """(the build to load, or None; why not) for this model on this CPU."""
     weight = next(model.parameters())
-    cfg = model.config
-    if caps is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return "not a float32 model on CPU"
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None, "not a float32 or bfloat16 model on CPU"
+    if weight.dtype == torch.bfloat16:
+        if not caps.native_bf16:
+            return None, f"a bfloat16 model needs AVX512-BF16, the CPU is {caps.level.label}"
+        return "avx512_bf16", ""
     if caps.level < IsaLevel.AVX2:
-        return f"the kernel needs AVX2, the CPU is {caps.level.label}"
-    if cfg.head_dim > max_head_dim or cfg.head_dim % 2:
-        return f"head_dim {cfg.head_dim} (the kernel takes even ones up to {max_head_dim})"
-    return None
+        return None, f"the kernel needs AVX2, the CPU is {caps.level.label}"
+    return ("avx512" if caps.level >= IsaLevel.AVX512 else "avx2"), ""
 
 
 def fused_decode_step(
     model: LlamaForCausalLM, kv_caches: list[torch.Tensor], caps: CpuCaps | None, cache_dir: Path
 ) -> CpuDecodeStep | None:
     """The fused decode step for this model, or None (the reason logged once)."""
-    weight = next(model.parameters())
-    if caps is None or weight.device.type != "cpu":
+    if caps is None:
         return None
-    isa = "avx512" if caps.level >= IsaLevel.AVX512 else "avx2"
-    try:
-        kernel = load_decode_kernel(isa, cache_dir) if caps.level >= IsaLevel.AVX2 else None
-    except KernelBuildError as exc:
-        log.info("decode steps: no fused C layer: %s", exc)
-        return None
-    why_not = why_not_fused(model, caps, kernel.max_head_dim if kernel else 0)
-    if why_not is not None or kernel is None:
+    isa, why_not = fused_isa(model, caps)
+    dtype = next(model.parameters()).dtype
+    kernel: DecodeLayerKernel | None = None
+    if isa is not None:
+        try:
+            kernel = load_decode_kernel(isa, cache_dir, dtype)
+        except KernelBuildError as exc:
+            why_not = str(exc)
+    head_dim = model.config.head_dim
+    if kernel is not None and (head_dim > kernel.max_head_dim or head_dim % 2):
+        why_not = f"head_dim {head_dim} (the kernel takes even ones up to {kernel.max_head_dim})"
+        kernel = None
+    if kernel is None:
         log.info("decode steps: no fused C layer: %s", why_not)
         return None
     step = CpuDecodeStep(model, kv_caches, kernel)
-    log.info("decode steps of up to %d sequences: one fused %s C call per layer", step.max_rows, isa)
+    log.info(
+        "decode steps of up to %d sequences: one fused %s %s C call per layer", step.max_rows, dtype, isa
+    )
     return step

@@ -1,10 +1,13 @@
 """A CPU transform for a built model: its linears run our C kernels on decode-sized batches.
 
 float32: at batch 1 MKL's sgemm read the cold weights at ~12 GB/s on a 2-core EPYC, the kernel at
-~25-30 (``kernels/cpu/linear_f32.c``). bfloat16 on a CPU with AVX512-BF16: oneDNN's packed GEMV at
-~22, ours (``linear_bf16.c``) at ~52. Up to ``MAX_ROWS`` rows the kernel was faster at every size
-measured (``docs/benchmarks.md``); past them the layer calls ``F.linear`` (prefill: MKL / oneDNN).
-The weights move into one huge-page arena (the tied lm_head reads the embedding, one tensor).
+~25-30 (``kernels/cpu/linear_f32.c``); up to ``MAX_ROWS`` rows it was faster at every size measured
+(``docs/benchmarks.md``). bfloat16 on a CPU with AVX512-BF16 (``linear_bf16.c``): ~30 GB/s at one
+row where oneDNN's packed GEMV read ~16; from 4 rows oneDNN's packed weights are a little faster
+layer for layer, but packing would keep a second copy of every weight, and the decode steps that
+matter run the fused layer (``cpu_decode.py``) on these same weights. Past ``MAX_ROWS`` the layer
+calls ``F.linear`` (prefill, where MKL's / oneDNN's repacking is paid once for many rows). The
+weights move into one huge-page arena (the tied lm_head reads the embedding, one tensor).
 
 The probe chooses the ISA; the transform is skipped with one log line below AVX2 (float32), without
 AVX512-BF16 (bfloat16: oneDNN's packing serves those, ``cpu_packing.py``) or without a C compiler.
@@ -27,8 +30,8 @@ from worker.models.weight_arena import WeightArena
 
 log = logging.getLogger(__name__)
 
-# Rows up to which the kernel beat MKL / oneDNN on SmolLM2's shapes (2-core EPYC).
-MAX_ROWS = {"avx512": 32, "avx2": 16, "avx512_bf16": 4}
+# Rows up to which the kernel serves (float32: it beat MKL at every size up to these, 2-core EPYC).
+MAX_ROWS = {"avx512": 32, "avx2": 16, "avx512_bf16": 32}
 
 
 class DecodeLinear(nn.Module):

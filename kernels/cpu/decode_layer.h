@@ -1,0 +1,316 @@
+/* The body of one fused decoder layer (see decode_f32.c for what it computes), for any weight type.
+ *
+ * The including file defines, before including this:
+ *   W                 the type of weights, norms, biases, cos/sin and the KV cache (float or bf16 bits)
+ *   LOADW(v)          a W value as float;  STOREW(f): a float as W;  VLOADW(p): VL of them as a vector
+ *   DECODE(name)      the exported names (decode_f32_layer, ...)
+ *   LINEAR(x, w, b, y, M, N, K, nt)   y[M, N] (float) = x[M, K] (float) @ w[N, K]^T + b; it may use
+ *                     `scratch` (M * K values of W) for its input
+ * Activations and the residual stream are float32 whatever W is.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, inter;
+    float eps, scale;
+    const W *ln1, *ln2;
+    const W *w_qkv, *b_qkv, *w_o, *b_o, *w_gate_up, *b_gate_up, *w_down, *b_down;
+    W *kv;
+    int64_t num_blocks, block_size;
+} Layer;
+
+typedef struct {
+    int64_t num_rows;            /* M decode rows, one token each */
+    float *hidden;               /* [M, H] float32 whatever W: in: the layer's input; out: its output */
+    float *residual;             /* [M, H] float32, in/out; written from hidden when first */
+    int64_t first;               /* 1 on the first layer */
+    const W *cos_sin;            /* [M, D]: cos half | sin half at each row's position */
+    const int64_t *slots;        /* [M] cache slot of each row's token */
+    const int64_t *block_tables; /* [M, table_width] */
+    int64_t table_width;
+    const int64_t *seq_lens;     /* [M] context including the new token */
+    int64_t sliding_window;      /* 0: full attention */
+    float *work;                 /* DECODE(work_floats)() floats */
+    int64_t num_threads;
+} Step;
+
+#define KEY_CHUNK 32
+#define MAX_HEAD_DIM 256
+
+/* Vectors for attention: a chunk of VL keys is dotted with q as VL accumulators reduced together
+ * (transposed: ~2 instructions a key where a horizontal sum took ~8). VLOADW(p): VL values of W. */
+#include <immintrin.h>
+#if defined(__AVX512F__)
+#define VL 16
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(x) _mm512_set1_ps(x)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VLOADF(p) _mm512_loadu_ps(p)
+#define VSTOREF(p, v) _mm512_storeu_ps(p, v)
+static inline vf reduce_keys(const vf a[VL]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+#else
+#define VL 8
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VLOADF(p) _mm256_loadu_ps(p)
+#define VSTOREF(p, v) _mm256_storeu_ps(p, v)
+static inline vf reduce_keys(const vf a[VL]) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+#define MAX_GROUP 16
+
+int64_t DECODE(work_floats)(const Layer *L, int64_t num_rows) {
+    int64_t qkv = (L->num_heads + 2 * L->num_kv_heads) * L->head_dim;
+    int64_t widest = L->inter > L->hidden ? L->inter : L->hidden;
+    if (L->num_heads * L->head_dim > widest) widest = L->num_heads * L->head_dim;
+    /* + the linears' input in W (LINEAR_SCRATCH): at most `widest` per row */
+    return num_rows * (2 * L->hidden + qkv + L->num_heads * L->head_dim + 3 * L->inter + widest);
+}
+
+int64_t DECODE(max_head_dim)(void) { return MAX_HEAD_DIM; }
+
+/* exp(x) to about 2 ulp (Cephes' expf): 2^k * p(r), r = x - k ln2, written so that it vectorises. */
+static inline float exp_f32(float x) {
+    x = x < -87.33654f ? -87.33654f : x;
+    x = x > 88.72283f ? 88.72283f : x;
+    float k = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline void rms_norm_row(const float *x, const W *w, float *out, int64_t n, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] * inv) * LOADW(w[i]);
+}
+
+static inline void rotate_neox(float *x, const W *cos_sin, int64_t d) {
+    int64_t half = d / 2;
+    const W *c = cos_sin, *s = cos_sin + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * LOADW(c[i]) + b * -LOADW(s[i]);
+        x[i + half] = b * LOADW(c[i]) + a * LOADW(s[i]);
+    }
+}
+
+static inline float dot(const float *a, const W *b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * LOADW(b[i]);
+    return s;
+}
+
+static inline void store_row(W *dst, const float *src, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) dst[i] = STOREW(src[i]);
+}
+
+/* One query head of one row over its keys [t0, len): chunks of KEY_CHUNK scores, running max and sum. */
+static inline void attend_one(const float *q, const Layer *L, const Step *S, int64_t m, int64_t g, float *out) {
+    const int64_t d = L->head_dim, bs = L->block_size;
+    const int64_t len = S->seq_lens[m];
+    const int64_t t0 = S->sliding_window > 0 && len > S->sliding_window ? len - S->sliding_window : 0;
+    const int64_t plane = L->num_blocks * bs * d; /* one (K or V, kv head) plane */
+    const W *kbase = L->kv + g * plane, *vbase = L->kv + (L->num_kv_heads + g) * plane;
+    const int64_t *table = S->block_tables + m * S->table_width;
+    float acc[MAX_HEAD_DIM], scores[KEY_CHUNK];
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+    for (int64_t c0 = t0; c0 < len; c0 += KEY_CHUNK) {
+        int64_t n = len - c0 < KEY_CHUNK ? len - c0 : KEY_CHUNK;
+        float cmax = mx;
+        for (int64_t j = 0; j < n; j++) {
+            int64_t t = c0 + j;
+            const W *key = kbase + (table[t / bs] * bs + t % bs) * d;
+            scores[j] = dot(q, key, d) * L->scale;
+            cmax = scores[j] > cmax ? scores[j] : cmax;
+        }
+        if (cmax > mx) { /* rescale what was summed under the old max */
+            float f = exp_f32(mx - cmax);
+            sum *= f;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) acc[i] *= f;
+            mx = cmax;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            int64_t t = c0 + j;
+            const W *value = vbase + (table[t / bs] * bs + t % bs) * d;
+            float p = exp_f32(scores[j] - mx);
+            sum += p;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) acc[i] += p * LOADW(value[i]);
+        }
+    }
+    float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < d; i++) out[i] = acc[i] * inv;
+}
+
+/* The G query heads of one row that share kv head g, over its keys [t0, len), when head_dim is a
+ * multiple of VL: each chunk of VL keys is read once for all G heads (scores, then values), an online
+ * softmax per head. attend_one is the same sum for any head_dim, a head at a time. */
+static inline void attend_group(const float *q0, const Layer *L, const Step *S, int64_t m, int64_t g,
+                                int64_t group, float *out0) {
+    const int64_t d = L->head_dim, bs = L->block_size, nv = d / VL;
+    const int64_t len = S->seq_lens[m];
+    const int64_t t0 = S->sliding_window > 0 && len > S->sliding_window ? len - S->sliding_window : 0;
+    const int64_t plane = L->num_blocks * bs * d;
+    const W *kbase = L->kv + g * plane, *vbase = L->kv + (L->num_kv_heads + g) * plane;
+    const int64_t *table = S->block_tables + m * S->table_width;
+    vf acc[MAX_GROUP][MAX_HEAD_DIM / VL];
+    float mx[MAX_GROUP], sum[MAX_GROUP], p[MAX_GROUP][VL];
+    for (int64_t h = 0; h < group; h++) {
+        mx[h] = -INFINITY, sum[h] = 0.0f;
+        for (int64_t i = 0; i < nv; i++) acc[h][i] = VZERO();
+    }
+    int64_t rows[VL]; /* each key's offset into its plane */
+    for (int64_t c0 = t0; c0 < len; c0 += VL) {
+        int64_t n = len - c0 < VL ? len - c0 : VL;
+        for (int64_t j = 0; j < n; j++) {
+            int64_t t = c0 + j;
+            rows[j] = (table[t / bs] * bs + t % bs) * d;
+        }
+        for (int64_t h = 0; h < group; h++) {
+            const float *q = q0 + h * d;
+            vf dots[VL];
+            for (int64_t j = 0; j < VL; j++) dots[j] = VZERO();
+            for (int64_t j = 0; j < n; j++) {
+                const W *key = kbase + rows[j];
+                vf a = VZERO();
+                for (int64_t i = 0; i < nv; i++) a = VFMA(VLOADF(q + i * VL), VLOADW(key + i * VL), a);
+                dots[j] = a;
+            }
+            float scores[VL];
+            VSTOREF(scores, VMUL(reduce_keys(dots), VSET1(L->scale)));
+            float cmax = mx[h];
+            for (int64_t j = 0; j < n; j++) cmax = scores[j] > cmax ? scores[j] : cmax;
+            if (cmax > mx[h]) { /* rescale what was summed under the old max */
+                float f = exp_f32(mx[h] - cmax);
+                sum[h] *= f;
+                for (int64_t i = 0; i < nv; i++) acc[h][i] = VMUL(acc[h][i], VSET1(f));
+                mx[h] = cmax;
+            }
+            const float top = mx[h];
+#pragma omp simd
+            for (int64_t j = 0; j < VL; j++) p[h][j] = exp_f32(scores[j] - top);
+            for (int64_t j = n; j < VL; j++) p[h][j] = 0.0f;
+            for (int64_t j = 0; j < n; j++) sum[h] += p[h][j];
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const W *value = vbase + rows[j];
+            for (int64_t i = 0; i < nv; i++) {
+                vf v = VLOADW(value + i * VL);
+                for (int64_t h = 0; h < group; h++) acc[h][i] = VFMA(VSET1(p[h][j]), v, acc[h][i]);
+            }
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {
+        vf inv = VSET1(1.0f / sum[h]);
+        for (int64_t i = 0; i < nv; i++) VSTOREF(out0 + h * d + i * VL, VMUL(acc[h][i], inv));
+    }
+}
+
+void DECODE(layer)(const Layer *L, const Step *S) {
+    const int64_t M = S->num_rows, H = L->hidden, D = L->head_dim, I = L->inter;
+    const int64_t hq = L->num_heads, hkv = L->num_kv_heads, group = hq / hkv;
+    const int64_t qkv_out = (hq + 2 * hkv) * D, attn_width = hq * D;
+    const int nt = (int)S->num_threads;
+    float *xn = S->work, *qkv = xn + M * H, *attn = qkv + M * qkv_out, *gate_up = attn + M * attn_width;
+    float *act = gate_up + M * 2 * I;
+    W *scratch = (W *)(act + M * I); /* LINEAR's input converted to W, where W is not float */
+    (void)scratch;
+    float *residual = S->residual, *hidden = S->hidden;
+
+    for (int64_t m = 0; m < M; m++) {
+        float *r = residual + m * H;
+        const float *h = hidden + m * H;
+        if (S->first) {
+            memcpy(r, h, (size_t)H * sizeof(float));
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < H; i++) r[i] = h[i] + r[i];
+        }
+        rms_norm_row(r, L->ln1, xn + m * H, H, L->eps);
+    }
+    LINEAR(xn, L->w_qkv, L->b_qkv, qkv, M, qkv_out, H, nt);
+
+    const int64_t plane = L->num_blocks * L->block_size * D;
+    for (int64_t m = 0; m < M; m++) {
+        float *row = qkv + m * qkv_out;
+        for (int64_t h = 0; h < hq + hkv; h++) rotate_neox(row + h * D, S->cos_sin + m * D, D);
+        for (int64_t g = 0; g < hkv; g++) {
+            store_row(L->kv + g * plane + S->slots[m] * D, row + (hq + g) * D, D);
+            store_row(L->kv + (hkv + g) * plane + S->slots[m] * D, row + (hq + hkv + g) * D, D);
+        }
+    }
+    if (D % VL == 0 && group <= MAX_GROUP) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t task = 0; task < M * hkv; task++) {
+            int64_t m = task / hkv, g = task % hkv;
+            attend_group(qkv + m * qkv_out + g * group * D, L, S, m, g, group, attn + m * attn_width + g * group * D);
+        }
+    } else {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t task = 0; task < M * hq; task++) {
+            int64_t m = task / hq, h = task % hq;
+            attend_one(qkv + m * qkv_out + h * D, L, S, m, h / group, attn + m * attn_width + h * D);
+        }
+    }
+
+    LINEAR(attn, L->w_o, L->b_o, xn, M, H, attn_width, nt); /* xn is free again: the projection */
+    for (int64_t m = 0; m < M; m++) {
+        float *r = residual + m * H, *o = xn + m * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) r[i] = o[i] + r[i];
+        rms_norm_row(r, L->ln2, o, H, L->eps);
+    }
+    LINEAR(xn, L->w_gate_up, L->b_gate_up, gate_up, M, 2 * I, H, nt);
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gate_up + m * 2 * I, *u = g + I;
+        float *a = act + m * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) {
+            float silu = g[i] / (1.0f + exp_f32(-g[i]));
+            a[i] = silu * u[i];
+        }
+    }
+    LINEAR(act, L->w_down, L->b_down, hidden, M, H, I, nt);
+}
