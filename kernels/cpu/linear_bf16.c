@@ -69,6 +69,28 @@ TARGET static inline float tree_sum(__m512 v) {
     return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
+/* A 4-wide tile's outputs, lane 4a+b of r for (m0+a, n0+b), bias added, rows a < mr stored with one
+ * masked store each (the pointer is offset back by 4a so that the row's lanes land on its outputs).
+ * The bf16 rounding is to_bf16's, lane for lane. */
+TARGET static inline __m512 with_bias(__m512 r, const uint16_t *bias, int64_t n0) {
+    if (!bias) return r;
+    float b4[4] = {from_bf16(bias[n0]), from_bf16(bias[n0 + 1]), from_bf16(bias[n0 + 2]), from_bf16(bias[n0 + 3])};
+    return _mm512_add_ps(r, _mm512_broadcast_f32x4(_mm_loadu_ps(b4)));
+}
+
+TARGET static inline void store_tile_f32(float *y, int64_t N, int64_t m0, int64_t n0, int mr, __m512 r) {
+    for (int a = 0; a < mr; a++) _mm512_mask_storeu_ps(y + (m0 + a) * N + n0 - 4 * a, (__mmask16)(0xFu << (4 * a)), r);
+}
+
+TARGET static inline void store_tile_bf16(uint16_t *y, int64_t N, int64_t m0, int64_t n0, int mr, __m512 r) {
+    __m512i u = _mm512_castps_si512(r);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rne = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    __m256i h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), rne, quiet));
+    for (int a = 0; a < mr; a++) _mm256_mask_storeu_epi16(y + (m0 + a) * N + n0 - 4 * a, (__mmask16)(0xFu << (4 * a)), h);
+}
+
 /* One tile of MR_ x rows by NR_ w rows, both compile-time (the accumulators stay in registers);
  * OUT_T / TO_OUT: the output's type and rounding (bf16 for torch's layers, float for decode_bf16.c). */
 #define TILE(MR_, NR_, SUF, OUT_T, TO_OUT)                                                               \
@@ -96,21 +118,16 @@ TARGET static inline float tree_sum(__m512 v) {
                 for (int b = 0; b < NR_; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[b], xv);        \
             }                                                                                            \
         }                                                                                                \
-        float dots[16];                                                                                  \
         if (MR_ * NR_ == 1) {                                                                            \
-            dots[0] = tree_sum(acc[0][0]);                                                               \
+            float dot = tree_sum(acc[0][0]);                                                             \
+            y[m0 * N + n0] = TO_OUT(bias ? dot + from_bf16(bias[n0]) : dot);                             \
         } else {                                                                                         \
             __m512 flat[16];                                                                             \
             for (int j = 0; j < 16; j++) flat[j] = _mm512_setzero_ps();                                  \
             for (int a = 0; a < MR_; a++)                                                                \
                 for (int b = 0; b < NR_; b++) flat[a * 4 + b] = acc[a][b];                               \
-            _mm512_storeu_ps(dots, reduce16(flat));                                                      \
+            store_tile##SUF(y, N, m0, n0, MR_, with_bias(reduce16(flat), bias, n0));                     \
         }                                                                                                \
-        for (int a = 0; a < MR_; a++)                                                                    \
-            for (int b = 0; b < NR_; b++) {                                                              \
-                float dot = dots[MR_ * NR_ == 1 ? 0 : a * 4 + b];                                        \
-                y[(m0 + a) * N + n0 + b] = TO_OUT(bias ? dot + from_bf16(bias[n0 + b]) : dot);          \
-            }                                                                                            \
     }
 
 /* The entry point: tiles of MR x NR, the last w rows one output at a time (the same sums); one x row

@@ -64,8 +64,15 @@ static inline void tile_avx512(const float *x, const float *w, float *y, const f
     __m512 flat[4 * NR];
     for (int a = 0; a < 4; a++)
         for (int b = 0; b < NR; b++) flat[a * NR + b] = acc[a][b];
+    __m512 r = reduce16_avx512(flat);
+    if (nr == NR) { /* lane 4a+b is (m0+a, n0+b): one masked store a row, the pointer offset back by 4a */
+        if (bias) r = _mm512_add_ps(r, _mm512_broadcast_f32x4(_mm_loadu_ps(bias + n0)));
+        for (int a = 0; a < mr; a++)
+            _mm512_mask_storeu_ps(y + (m0 + a) * N + n0 - 4 * a, (__mmask16)(0xFu << (4 * a)), r);
+        return;
+    }
     float dots[4 * NR];
-    _mm512_storeu_ps(dots, reduce16_avx512(flat));
+    _mm512_storeu_ps(dots, r);
     for (int a = 0; a < mr; a++)
         for (int b = 0; b < nr; b++) y[(m0 + a) * N + n0 + b] = dots[a * NR + b] + (bias ? bias[n0 + b] : 0.0f);
 }
