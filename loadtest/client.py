@@ -41,6 +41,8 @@ class RequestOptions:
     ignore_eos: bool  # vLLM's extension; tierserve honours it, servers that do not know it ignore it
     headers: Mapping[str, str]  # Authorization, -H headers
     timeout_s: float
+    # tier → the body's "priority" (vLLM's extension, lower is more urgent); None: no priority sent
+    priorities: Mapping[str, int] | None = None
 
 
 def api_url(base_url: str, api: Api) -> str:
@@ -63,6 +65,8 @@ def request_body(spec: RequestSpec, model: str, options: RequestOptions) -> dict
         body["stream_options"] = {"include_usage": True}
     if options.ignore_eos:
         body["ignore_eos"] = True
+    if options.priorities is not None and spec.tier is not None and spec.tier in options.priorities:
+        body["priority"] = options.priorities[spec.tier]
     return body
 
 

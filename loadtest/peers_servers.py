@@ -1,0 +1,154 @@
+"""The ``peers`` bench's three servers: how each is started, alone, on 127.0.0.1 on a free port.
+
+    with running(tierserve_launch(Precision.BEST, workdir), workdir / "tierserve.log") as base_url:
+        ...
+
+Each runs in its own session (process group); ``running`` waits for its health endpoint, and on the
+way out, whatever happened, terminates then kills the whole group (``launch.stop_server``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import httpx
+
+from loadtest.launch import HOST, ROOT, free_port, log_tail, stop_server
+from worker.cpu_isa import OVERRIDE_ENV, caps_from_flags, read_cpuinfo  # torch-free: /proc/cpuinfo
+
+MODEL = "smollm2-135m-instruct"  # the name every server is asked for
+KV_CACHE_GB = 4  # vLLM's VLLM_CPU_KVCACHE_SPACE, and tierserve's pool the same
+VLLM_MAX_MODEL_LEN = 4096
+VLLM_READY_S = 360.0
+TIERSERVE_READY_S = 600.0
+LLAMACPP_READY_S = 120.0
+LLAMACPP_CONTEXT, LLAMACPP_SLOTS = 16384, 32
+POLL_INTERVAL_S = 0.5
+
+
+class Precision(Enum):
+    BEST = "best"  # each server's fastest configuration on this CPU
+    FP32 = "fp32"  # tierserve and vLLM in float32 (llama.cpp stays on the GGUF's Q4_1)
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    name: str  # "tierserve", "vllm", "llamacpp"
+    command: list[str]
+    env: dict[str, str]  # on top of ours
+    health_path: str  # answers 200 once the model is loaded
+    ready_timeout_s: float
+    dtype: str  # what it computes in, for the figures
+
+
+def cores() -> int:
+    return os.cpu_count() or 1
+
+
+def vllm_dtype(precision: Precision) -> str:
+    """vLLM-CPU's fastest dtype here: bfloat16 where the CPU has native bf16, else float32."""
+    if precision is Precision.FP32:
+        return "float32"
+    model_name, flags = read_cpuinfo()
+    caps = caps_from_flags(flags, model_name, os.environ.get(OVERRIDE_ENV))
+    return "bfloat16" if caps.native_bf16 else "float32"
+
+
+def tierserve_launch(precision: Precision, workdir: Path) -> Launch:
+    """``tierserve serve`` with one pool of the embedded model: dtype auto (best) or float32."""
+    dtype = "float32" if precision is Precision.FP32 else "auto"
+    config = workdir / "tierserve.toml"
+    config.write_text(
+        f'[[models.pools]]\nname = "{MODEL}"\npath = "default"\ndtype = "{dtype}"\n'
+        f"kv_cache_gb = {KV_CACHE_GB}\n"
+    )
+    port = free_port()
+    command = [sys.executable, "-m", "tierserve", "serve", "--host", HOST, "--port", str(port)]
+    return Launch("tierserve", [*command, "--config", str(config)], {}, "/ready", TIERSERVE_READY_S, dtype)
+
+
+def vllm_launch(python: Path, model_dir: Path, precision: Precision, preload: Sequence[Path] = ()) -> Launch:
+    dtype = vllm_dtype(precision)
+    port = free_port()
+    command = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", MODEL, "--dtype", dtype,
+        "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--scheduling-policy", "priority",
+        "--host", HOST, "--port", str(port),
+    ]  # fmt: skip
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores() - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB),
+        "HF_HUB_OFFLINE": "1",  # a local folder; no model hub is reachable, so never ask one
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    if preload:  # tcmalloc and Intel's OpenMP, as vLLM-CPU's installation guide asks
+        env["LD_PRELOAD"] = ":".join(str(library) for library in preload)
+    return Launch("vllm", command, env, "/health", VLLM_READY_S, dtype)
+
+
+def llamacpp_launch(binary: Path, gguf: Path) -> Launch:
+    port = free_port()
+    command = [
+        str(binary), "-m", str(gguf), "-t", str(cores()), "-c", str(LLAMACPP_CONTEXT),
+        "--parallel", str(LLAMACPP_SLOTS), "--cont-batching",
+        # One KV pool shared by the slots: without it each of 32 slots holds only 16384 / 32 = 512
+        # tokens, and the mixed-tier workload's long prompts would not fit.
+        "--kv-unified",
+        "--host", HOST, "--port", str(port),
+    ]  # fmt: skip
+    return Launch("llamacpp", command, {}, "/health", LLAMACPP_READY_S, "q4_1")
+
+
+def port_of(launch: Launch) -> str:
+    return launch.command[launch.command.index("--port") + 1]
+
+
+@contextmanager
+def running(launch: Launch, log_path: Path) -> Iterator[str]:
+    """Start ``launch``, yield its base URL once its health endpoint answers 200; the process group is
+    stopped on the way out whatever happened. A server that exits or is not ready in time raises."""
+    env = {**os.environ, **launch.env}
+    if launch.name != "tierserve":  # a peer runs in its own venv or none: nothing of ours leaks in
+        for key in ("PYTHONPATH", "VIRTUAL_ENV"):
+            env.pop(key, None)
+    base_url = f"http://{HOST}:{port_of(launch)}"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            launch.command,
+            cwd=ROOT if launch.name == "tierserve" else log_path.parent,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        _wait_healthy(process, base_url + launch.health_path, launch, log_path)
+        yield base_url
+    finally:
+        stop_server(process)
+
+
+def _wait_healthy(process: subprocess.Popen[bytes], url: str, launch: Launch, log_path: Path) -> None:
+    deadline = time.monotonic() + launch.ready_timeout_s
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"{launch.name} exited with {process.returncode}:\n{log_tail(log_path)}")
+            with suppress(httpx.TransportError):
+                if client.get(url).status_code == 200:
+                    return
+            time.sleep(POLL_INTERVAL_S)  # the interval of a deadline-bounded poll
+    raise TimeoutError(
+        f"{launch.name}: {url} not 200 after {launch.ready_timeout_s:g} s:\n{log_tail(log_path)}"
+    )
