@@ -5,6 +5,11 @@ files, and their end.
 Workers are started by command line only (``python -m worker.cli worker ...``): the gateway never
 imports the worker package, so it stays torch-free. On Linux a worker gets SIGTERM when serve dies,
 even by SIGKILL (``PR_SET_PDEATHSIG``), so no worker outlives its gateway.
+
+Workers run ``WORKER_NICENESS`` below the gateway: on a CPU box their compute threads fill every
+core, and the gateway's event loop (streaming every token out) then waited for a scheduler slice
+while the step's other threads waited for the one it displaced. Measured on a 2-core EPYC, float32,
+one stream, alternated three times: 59 tok/s mean at the same priority, 69 with the workers at +5.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from wire.config import ModelPool, ServerConfig
 
 WORKER_STOP_TIMEOUT_S = 10.0
 PR_SET_PDEATHSIG = 1
+WORKER_NICENESS = 5
 WORKER_POLICY_KINDS: tuple[PolicyKind, ...] = ("ordering", "budget", "preemption", "eviction")
 
 
@@ -110,9 +116,7 @@ def spawn(
         *pool_args(launch.pool),
         *policies_arg(config), *curve_args, *launch.worker_args,
     ]  # fmt: skip
-    process = subprocess.Popen(
-        command, env=worker_env(config), preexec_fn=die_with_parent if sys.platform == "linux" else None
-    )
+    process = subprocess.Popen(command, env=worker_env(config), preexec_fn=in_worker_before_exec)
     return WorkerProcess(worker_id, process, log_path)
 
 
@@ -124,8 +128,15 @@ def worker_env(config: ServerConfig) -> dict[str, str]:
     return env
 
 
+def in_worker_before_exec() -> None:
+    """In the child before exec: WORKER_NICENESS below us, and (Linux) SIGTERM when this process dies,
+    even by SIGKILL (no orphans)."""
+    os.nice(WORKER_NICENESS)
+    if sys.platform == "linux":
+        die_with_parent()
+
+
 def die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when this process dies, even by SIGKILL (no orphans)."""
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

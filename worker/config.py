@@ -28,7 +28,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     kernel_backend: str = "auto"
-    cpu_kernels: bool = True  # our C kernels where the CPU probe allows (worker/models/cpu_linear.py)
+    cpu_kernels: bool = True  # our C kernels where the CPU probe allows (models/cpu_linear.py, cpu_decode.py)
     cuda_graphs: bool = (
         False  # decode-only steps replay CUDA graphs (batch-size buckets); needs CUDA + Triton
     )
