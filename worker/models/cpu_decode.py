@@ -23,10 +23,14 @@ import torch
 from kernels.cpu.build import KernelBuildError
 from kernels.cpu.decode import DecodeLayerKernel, LayerArgs, StepArgs, load_decode_kernel
 from worker.cpu_isa import CpuCaps, IsaLevel
-from worker.models.cpu_linear import MAX_ROWS
 from worker.models.llama import DecoderLayer, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
+
+# Decode rows up to which the fused step serves. Past the linear kernel's own MAX_ROWS on AVX2 (16,
+# where MKL's sgemm starts to win a lone linear) the fused layer still won as a whole: batch 24
+# 110 vs 141 ms, batch 32 129 vs 146 (TIERSERVE_CPU_ISA=avx2 on the 2-core EPYC, alternated 3x).
+MAX_ROWS = {"avx512": 32, "avx2": 32, "avx512_bf16": 32}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
