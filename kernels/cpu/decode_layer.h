@@ -41,7 +41,7 @@ typedef struct {
 
 /* Vectors for attention: a chunk of VL keys is dotted with q as VL accumulators reduced together
  * (transposed: ~2 instructions a key where a horizontal sum took ~8). VLOADW(p): VL values of W. */
-#include <immintrin.h>
+#include "reduce16.h"
 #if defined(__AVX512F__)
 #define VL 16
 typedef __m512 vf;
@@ -51,19 +51,7 @@ typedef __m512 vf;
 #define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VLOADF(p) _mm512_loadu_ps(p)
 #define VSTOREF(p, v) _mm512_storeu_ps(p, v)
-static inline vf reduce_keys(const vf a[VL]) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
-        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    }
-    __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-    __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
-}
+#define reduce_keys reduce16_avx512
 #else
 #define VL 8
 typedef __m256 vf;

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "reduce16.h"
+
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define NR 4 /* w rows per tile */
 #define MR 4 /* x rows per tile: 16 accumulators, 4 w vectors and an x vector of the 32 registers */
@@ -44,23 +46,7 @@ TARGET static inline __m512bh load_masked(__mmask32 mask, const uint16_t *p) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-/* Lane j of the result: the sum of a[j]'s 16 lanes. Per accumulator, with x_Li lane i of 128-bit
- * lane L: s_L = (x_L0 + x_L2) + (x_L1 + x_L3), then (s_0 + s_2) + (s_1 + s_3). */
-TARGET static inline __m512 reduce16(const __m512 a[16]) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
-        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    }
-    __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-    __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
-}
-
-/* reduce16's tree for one accumulator. */
+/* reduce16_avx512's tree (reduce16.h) for one accumulator. */
 TARGET static inline float tree_sum(__m512 v) {
     float x[16];
     _mm512_storeu_ps(x, v);
@@ -126,7 +112,7 @@ TARGET static inline void store_tile_bf16(uint16_t *y, int64_t N, int64_t m0, in
             for (int j = 0; j < 16; j++) flat[j] = _mm512_setzero_ps();                                  \
             for (int a = 0; a < MR_; a++)                                                                \
                 for (int b = 0; b < NR_; b++) flat[a * 4 + b] = acc[a][b];                               \
-            store_tile##SUF(y, N, m0, n0, MR_, with_bias(reduce16(flat), bias, n0));                     \
+            store_tile##SUF(y, N, m0, n0, MR_, with_bias(reduce16_avx512(flat), bias, n0));              \
         }                                                                                                \
     }
 

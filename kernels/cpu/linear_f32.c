@@ -15,23 +15,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define NR 4 /* w rows per tile */
+#include "reduce16.h"
 
-/* Lane j of the result: the sum of a[j]'s 16 lanes (a transpose by unpacks and 128-bit shuffles). */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-static inline __m512 reduce16_avx512(const __m512 a[16]) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
-        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    }
-    __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-    __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
-}
+#define NR 4 /* w rows per tile */
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 static inline void tile_avx512(const float *x, const float *w, float *y, const float *bias, int64_t m0,

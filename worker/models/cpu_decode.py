@@ -33,10 +33,6 @@ log = logging.getLogger(__name__)
 MAX_ROWS = {"avx512": 32, "avx2": 32, "avx512_bf16": 32}
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class CpuDecodeStep:
     """``run`` one decode-only step: hidden states [B, hidden] (final norm applied), as
     ``LlamaForCausalLM.forward`` returns them."""
@@ -84,7 +80,7 @@ class CpuDecodeStep:
             b_gate_up=t(layer.gate_up_proj.bias),
             w_down=t(layer.down_proj.weight),
             b_down=t(layer.down_proj.bias),
-            kv=_ptr(kv),
+            kv=kv.data_ptr(),  # the runner's cache itself: written in place, never a copy
             num_blocks=num_blocks,
             block_size=block_size,
         )
