@@ -13,6 +13,7 @@ Every wait polls a condition under a deadline; the only sleeps are the random ki
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
@@ -121,13 +122,28 @@ def test_kill_9_a_random_worker_mid_stream_loses_and_repeats_nothing(fleet: Mock
         for result in results:
             problems.extend(_check(result, f"trial {i} (seed {SEED}, killed {victim})"))
 
+    def lost_so_far() -> float:
+        return metric(scrape(base_url), "tierserve_workers_lost_total") - metric(
+            before, "tierserve_workers_lost_total"
+        )
+
+    def settled(kills: int) -> bool:
+        """Every kill so far noticed and NUM_WORKERS ready: the ready ones are then the live ones, so
+        the next victim is a worker the gateway knows (a replacement killed before it registered would
+        never be lost)."""
+        return lost_so_far() >= kills and num_ready(base_url) == NUM_WORKERS
+
     started = time.monotonic()
     for i in range(TRIALS):
         wait_for(
-            lambda: num_ready(base_url) == NUM_WORKERS, WORKER_START_TIMEOUT_S, f"4 workers before trial {i}"
+            functools.partial(settled, i),
+            WORKER_START_TIMEOUT_S,
+            f"trial {i - 1}'s kill noticed and 4 workers ready",
         )
         asyncio.run(trial(i))
     elapsed = time.monotonic() - started
+    # The last victim may have had no stream left at its kill: it is noticed by silence.
+    wait_for(lambda: lost_so_far() >= TRIALS, 2 * HEARTBEAT_TIMEOUT_S + 5, "the last kill noticed")
     after = scrape(base_url)
     migrations = metric(after, "tierserve_migrations_total") - metric(before, "tierserve_migrations_total")
     lost = metric(after, "tierserve_workers_lost_total") - metric(before, "tierserve_workers_lost_total")
