@@ -44,6 +44,7 @@ from worker.models.cpu_linear import use_decode_linears
 from worker.models.cpu_packing import pack_linears_if_supported
 from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_model
+from worker.models.quant import is_quantized, use_quant_kernels
 from worker.models.store import kernel_cache_dir
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
@@ -289,8 +290,11 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
 
         model.use_kernels(TritonLayerOps(), attention)
     caps = probe() if device.type == "cpu" and backend is KernelBackend.TORCH else None
+    if is_quantized(model):  # block-quantized weights: their own kernel (or its torch reference)
+        if config.cpu_kernels:
+            use_quant_kernels(model, caps, kernel_cache_dir())
     # Our C kernels first; a bf16 model they do not take (no AVX512-BF16) gets oneDNN's packing.
-    if not (config.cpu_kernels and use_decode_linears(model, caps, kernel_cache_dir())):
+    elif not (config.cpu_kernels and use_decode_linears(model, caps, kernel_cache_dir())):
         pack_linears_if_supported(model, caps)
     mc = model_config
     bytes_per_block = kv_cache_bytes_per_block(

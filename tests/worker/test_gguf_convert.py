@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,10 @@ def llama_cpp_name(hf_name: str) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer() -> Tokenizer:
+    return make_tiny_tokenizer()
+
+
+def make_tiny_tokenizer() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
@@ -107,10 +112,13 @@ def write_llama_gguf(
     model: LlamaForCausalLM,
     tokenizer: Tokenizer,
     *,
-    quantize: frozenset[str] = frozenset(),
+    quantize: frozenset[str] | Mapping[str, gguf.GGMLQuantizationType] = frozenset(),
     architecture: str = "llama",
 ) -> None:
-    """Write `model` the way llama.cpp's convert_hf_to_gguf.py does; names in `quantize` go as Q8_0."""
+    """Write `model` the way llama.cpp's convert_hf_to_gguf.py does; names in `quantize` go as Q8_0
+    (a set) or as the type it maps them to."""
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    types = quantize if isinstance(quantize, Mapping) else dict.fromkeys(quantize, q8_0)
     config = model.config
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_block_count(config.num_hidden_layers)
@@ -147,8 +155,8 @@ def write_llama_gguf(
         elif hf_name.endswith("k_proj.weight"):
             data = llama_cpp_permute(data, NUM_KV_HEADS)
         name = llama_cpp_name(hf_name)
-        if name in quantize:
-            qtype = gguf.GGMLQuantizationType.Q8_0
+        if name in types:
+            qtype = types[name]
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, data)

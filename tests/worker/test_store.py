@@ -79,9 +79,16 @@ def test_unknown_name_is_a_file_not_found_error_naming_it(cache: Path) -> None:
 
 
 def test_a_file_is_not_a_model(cache: Path, tmp_path: Path) -> None:
-    path = tmp_path / "weights.gguf"
+    path = tmp_path / "weights.bin"
     path.write_bytes(b"")
     with pytest.raises(ModelNotFoundError, match="folder"):
+        resolve_model(str(path))
+
+
+def test_a_broken_gguf_file_is_named(cache: Path, tmp_path: Path) -> None:
+    path = tmp_path / "weights.gguf"
+    path.write_bytes(b"GGUF not really")
+    with pytest.raises(ModelNotFoundError, match="not a readable llama GGUF"):
         resolve_model(str(path))
 
 

@@ -24,6 +24,7 @@ from kernels.cpu.build import KernelBuildError
 from kernels.cpu.decode import DecodeLayerKernel, LayerArgs, StepArgs, load_decode_kernel
 from worker.cpu_isa import CpuCaps, IsaLevel
 from worker.models.llama import DecoderLayer, LlamaForCausalLM
+from worker.models.quant import is_quantized
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,8 @@ def fused_isa(model: LlamaForCausalLM, caps: CpuCaps) -> tuple[str | None, str]:
     weight = next(model.parameters())
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None, "not a float32 or bfloat16 model on CPU"
+    if is_quantized(model):
+        return None, "its weights are block-quantized (the fused layer takes float weights)"
     if weight.dtype == torch.bfloat16:
         if not caps.native_bf16:
             return None, f"a bfloat16 model needs AVX512-BF16, the CPU is {caps.level.label}"

@@ -79,13 +79,31 @@ def convert_gguf_to_hf(
     progress(f"reading {gguf_path}")
     reader = GGUFReader(gguf_path)
     spec = read_llama_spec(reader)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
+
+    def write_weights(staging: Path) -> None:
         tensors = _convert_tensors(reader, spec, _DTYPES[dtype], progress)
         progress(f"writing model.safetensors ({_num_bytes(tensors) / 1e6:.0f} MB, {dtype})")
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
+
+    write_folder(gguf_path, spec, out_dir, dtype, write_weights, progress)
+    progress(f"wrote {out_dir}")
+
+
+def write_folder(
+    gguf_path: Path,
+    spec: LlamaSpec,
+    out_dir: Path,
+    dtype: str,
+    write_weights: Callable[[Path], None],
+    progress: Callable[[str], None],
+) -> None:
+    """Build a model folder for `gguf_path` beside `out_dir` (config, generation config, tokenizer,
+    and whatever `write_weights` puts in it), then rename it into place, replacing any folder there:
+    a crash never leaves a half-written folder under the final name."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        write_weights(staging)
         _write_json(staging / "config.json", _hf_config(spec, dtype))
         _write_json(staging / "generation_config.json", _generation_config(spec))
         progress("converting tokenizer")
@@ -95,7 +113,6 @@ def convert_gguf_to_hf(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    progress(f"wrote {out_dir}")
 
 
 def read_llama_spec(reader: GGUFReader) -> LlamaSpec:

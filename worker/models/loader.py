@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from worker.attention import AttentionBackend, TorchPagedAttention
 from worker.models.config import ModelConfig, load_model_config
+from worker.models.gguf_model import is_gguf_folder, load_gguf_model
 from worker.models.llama import LlamaForCausalLM
 
 # Buffers some older checkpoints saved that carry no information we need.
@@ -65,10 +66,13 @@ def load_model(
     """Read ``config.json`` and every ``*.safetensors`` under ``path``; returns the model in eval mode.
 
     The returned config has ``tie_word_embeddings=True`` when the checkpoint has no ``lm_head.weight``.
+    A folder prepared for a GGUF file (``gguf_model.py``) is loaded from that file, quantized blocks kept.
     Raises ``UnsupportedModelError`` for an architecture we lack, ``WeightMismatchError`` naming any
     missing, unexpected or misshapen tensor.
     """
     path = Path(path)
+    if is_gguf_folder(path):  # a GGUF file's folder: the weights come from the file, blocks kept
+        return load_gguf_model(path, dtype, device, attention)
     config = load_model_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -78,7 +78,8 @@ def pull_default_model(progress: Callable[[str], None] = print, force: bool = Fa
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """The model folder that `name_or_path` names.
+    """The model folder that `name_or_path` names (a `.gguf` file: the folder prepared for it,
+    `gguf_model.prepare_gguf_folder`).
 
     A known name wins over a same-named folder in the working directory, so `default` means the
     same thing wherever the command runs; write `./default` to mean the folder.
@@ -94,8 +95,18 @@ def resolve_model(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    if path.is_file() and path.suffix == ".gguf":
+        from worker.models.gguf_model import prepare_gguf_folder  # reads the file: only when asked
+
+        try:
+            return prepare_gguf_folder(path, cache_root())
+        except (ValueError, OSError) as exc:  # the reader's errors for a file that is not a GGUF
+            why = f"model {name_or_path!r} is not a readable llama GGUF file: {exc}"
+            raise ModelNotFoundError(why) from exc
     if path.exists():
-        raise ModelNotFoundError(f"model {name_or_path!r} is a file; give the folder holding config.json")
+        raise ModelNotFoundError(
+            f"model {name_or_path!r} is a file; give the folder holding config.json, or a .gguf file"
+        )
     raise ModelNotFoundError(
         f"model {name_or_path!r} is neither a folder nor a known model name "
         f"(known: {', '.join(repr(alias) for alias in DEFAULT_MODEL_ALIASES)})"
