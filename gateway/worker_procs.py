@@ -66,6 +66,7 @@ def pool_args(pool: ModelPool) -> list[str]:
         "--kv-cache-gb", str(pool.kv_cache_gb),
         "--max-num-seqs", str(pool.max_num_seqs),
         "--max-num-batched-tokens", str(pool.max_num_batched_tokens),
+        "--quant-activations", pool.quant_activations,
         *classes,
         *limit,
     ]  # fmt: skip

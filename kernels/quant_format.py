@@ -117,27 +117,30 @@ def _check_kind(kind: str, shape: tuple[int, ...]) -> None:
         raise UnsupportedQuantError(f"a {kind} weight needs [N, K] with K in blocks of {BLOCK}, got {shape}")
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> (qx [M, K] int8, dx [M, K/32], sx [M, K/32]) as the C kernel computes them:
-    d = max|x| / 127 per block, q = round-half-even(x * (1 / d)), s = d * sum(q)."""
+def quantize_activations(x: torch.Tensor, bits: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (qx [M, K] int8 or int16, dx [M, K/32], sx [M, K/32]) as the C kernel
+    computes them: d = max|x| / (2**(bits-1) - 1) per block, q = round-half-even(x * (1 / d)),
+    s = d * sum(q). (The kernel stores int16 blocks in another order; the values are these.)"""
     rows, cols = x.shape
     blocks = x.float().reshape(rows, cols // BLOCK, BLOCK)
-    d = blocks.abs().amax(dim=-1) / 127.0
+    d = blocks.abs().amax(dim=-1) / float(2 ** (bits - 1) - 1)
     inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(blocks * inverse[..., None])
     s = d * q.sum(dim=-1)
-    return q.to(torch.int8).reshape(rows, cols), d, s
+    return q.to(torch.int8 if bits == 8 else torch.int16).reshape(rows, cols), d, s
 
 
-def qlinear_reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def qlinear_reference(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, bits: int = 16
+) -> torch.Tensor:
     """The kernel's arithmetic in torch (the spec it is tested against): x [M, K] -> [M, N] float32."""
     rows, cols = x.shape
-    qx, dx, sx = quantize_activations(x)
+    qx, dx, sx = quantize_activations(x, bits)
     nb = cols // BLOCK
     qw = weight.quants()  # Q4: the nibbles as they are; the -8 or the m is in c
-    # Integer block sums are exact in float32: |sum| <= 32 * 127 * 127 < 2**24.
-    sums = torch.einsum("mbk,nbk->mnb", qx.view(rows, nb, BLOCK).float(), qw.view(-1, nb, BLOCK).float())
-    y = (sums * weight.d[None] * dx[:, None]).sum(-1)
+    # Integer block sums, exact in float64 (|sum| <= 32 * 127 * 32767 < 2**53), as the kernel's int32.
+    sums = torch.einsum("mbk,nbk->mnb", qx.view(rows, nb, BLOCK).double(), qw.view(-1, nb, BLOCK).double())
+    y = (sums.float() * weight.d[None] * dx[:, None]).sum(-1)
     if weight.c is not None:
         y = y + sx @ weight.c.T
     if bias is not None:

@@ -47,6 +47,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-cpu-kernels", action="store_true", help="torch's matmuls only, not our C kernels (to compare)"
     )
+    parser.add_argument(
+        "--quant-activations",
+        choices=("int16", "int8"),  # worker.config.QUANT_ACTIVATIONS (not imported here: torch)
+        default="int16",
+        help="a GGUF model's linears quantize their input to int16 (close to float) or int8 (llama.cpp's)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +169,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         cpu_kernels=not args.no_cpu_kernels,
+        quant_activations=args.quant_activations,
     )
 
 

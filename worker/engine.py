@@ -6,6 +6,7 @@ outside (``step()``), by the worker daemon or by ``generate()`` in-process.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -22,6 +23,7 @@ from worker.detokenizer import IncrementalDetokenizer
 from worker.kv_cache import KVCacheManager
 from worker.model_runner import StepRunner, build_model_runner
 from worker.models.config import ModelConfig
+from worker.models.gguf_model import is_gguf_folder
 from worker.models.store import resolve_model
 from worker.outputs import Completion, RequestOutput
 from worker.policy_set import WorkerPolicies
@@ -81,8 +83,12 @@ class Engine:
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        config = resolve_dtype(config)
         model_path = resolve_model(config.model)
+        if is_gguf_folder(model_path) and config.dtype == "auto":
+            # its quantized linears compute in float32, and the fused decode layer takes a float32 cache
+            log.info("dtype: float32 (a GGUF model's quantized linears compute in float32)")
+            config = dataclasses.replace(config, dtype="float32")
+        config = resolve_dtype(config)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         runner, model_config, num_blocks = build_model_runner(config, model_path)
         return cls(config, tokenizer, runner, model_config, num_blocks, policies)

@@ -44,7 +44,7 @@ from worker.models.cpu_linear import use_decode_linears
 from worker.models.cpu_packing import pack_linears_if_supported
 from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_model
-from worker.models.quant import is_quantized, use_quant_kernels
+from worker.models.quant import is_quantized, set_activation_bits, use_quant_kernels
 from worker.models.store import kernel_cache_dir
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
@@ -291,6 +291,7 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
         model.use_kernels(TritonLayerOps(), attention)
     caps = probe() if device.type == "cpu" and backend is KernelBackend.TORCH else None
     if is_quantized(model):  # block-quantized weights: their own kernel (or its torch reference)
+        set_activation_bits(model, 16 if config.quant_activations == "int16" else 8)
         if config.cpu_kernels:
             use_quant_kernels(model, caps, kernel_cache_dir())
     # Our C kernels first; a bf16 model they do not take (no AVX512-BF16) gets oneDNN's packing.

@@ -1,6 +1,7 @@
 """One whole decoder layer of a decode-only step in C: the launcher. ``decode_f32.c`` (float32, an
-AVX-512 and an AVX2 build) and ``decode_bf16.c`` (bfloat16 weights and cache, AVX512-BF16), both over
-the body in ``decode_layer.h``.
+AVX-512 and an AVX2 build), ``decode_bf16.c`` (bfloat16 weights and cache, AVX512-BF16) and
+``decode_q.c`` (block-quantized linears, float32 otherwise: AVX512-VNNI and AVX2), all over the body
+in ``decode_layer.h``.
 
 The torch reference is the model's own layer (``worker.models.llama.DecoderLayer`` over
 ``TorchPagedAttention``): the tests run both on the same weights and cache. ``LayerArgs`` holds what
@@ -24,6 +25,8 @@ KERNELS = {
     (torch.float32, "avx2"): (HERE / "decode_f32.c", "decode_f32"),
     (torch.bfloat16, "avx512_bf16"): (HERE / "decode_bf16.c", "decode_bf16"),
 }
+# isa -> source, for block-quantized linears (float32 norms, activations and cache)
+QUANT_KERNELS = {"avx512_vnni": HERE / "decode_q.c", "avx2": HERE / "decode_q.c"}
 
 
 class LayerArgs(ctypes.Structure):
@@ -39,17 +42,29 @@ class LayerArgs(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("ln1", ctypes.c_void_p),
         ("ln2", ctypes.c_void_p),
-        ("w_qkv", ctypes.c_void_p),
-        ("b_qkv", ctypes.c_void_p),
+        ("w_qkv", ctypes.c_void_p),  # the weight (float, bf16), or a QWeightArgs (decode_q.c)
         ("w_o", ctypes.c_void_p),
-        ("b_o", ctypes.c_void_p),
         ("w_gate_up", ctypes.c_void_p),
-        ("b_gate_up", ctypes.c_void_p),
         ("w_down", ctypes.c_void_p),
+        ("b_qkv", ctypes.c_void_p),
+        ("b_o", ctypes.c_void_p),
+        ("b_gate_up", ctypes.c_void_p),
         ("b_down", ctypes.c_void_p),
         ("kv", ctypes.c_void_p),
         ("num_blocks", ctypes.c_int64),
         ("block_size", ctypes.c_int64),
+    ]
+
+
+class QWeightArgs(ctypes.Structure):
+    """``QWeight`` in decode_q.c: a packed block-quantized weight (``kernels/cpu/qlinear.py``)."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int64),
+        ("bits", ctypes.c_int64),
+        ("qs", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("c", ctypes.c_void_p),
     ]
 
 
@@ -77,6 +92,7 @@ class DecodeLayerKernel:
 
     def __init__(self, library: ctypes.CDLL, isa: str, dtype: torch.dtype, prefix: str) -> None:
         self.isa, self.dtype = isa, dtype
+        self.quantized = False  # True: the linears' weights are QWeightArgs
         self.layer = getattr(library, f"{prefix}_layer")
         self.layer.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(StepArgs)]
         self.layer.restype = None
@@ -96,3 +112,13 @@ def load_decode_kernel(isa: str, cache_dir: Path, dtype: torch.dtype = torch.flo
         raise ValueError(f"isa: no {dtype} decode kernel for {isa!r}; there are {sorted(map(str, KERNELS))}")
     source, prefix = KERNELS[dtype, isa]
     return DecodeLayerKernel(load_library(source, cache_dir, isa), isa, dtype, prefix)
+
+
+def load_quant_decode_kernel(isa: str, cache_dir: Path) -> DecodeLayerKernel:
+    """The build for block-quantized linears (``decode_q.c``); ``KernelBuildError`` without a compiler."""
+    if isa not in QUANT_KERNELS:
+        raise ValueError(f"isa: no quantized decode kernel for {isa!r}; there are {sorted(QUANT_KERNELS)}")
+    library = load_library(QUANT_KERNELS[isa], cache_dir, isa)
+    kernel = DecodeLayerKernel(library, isa, torch.float32, "decode_q")
+    kernel.quantized = True
+    return kernel

@@ -4,6 +4,7 @@
  *   W                 the type of weights, norms, biases, cos/sin and the KV cache (float or bf16 bits)
  *   LOADW(v)          a W value as float;  STOREW(f): a float as W;  VLOADW(p): VL of them as a vector
  *   DECODE(name)      the exported names (decode_f32_layer, ...)
+ *   WLIN              (optional) the type the linears' weight pointers point to; W unless defined
  *   LINEAR(x, w, b, y, M, N, K, nt)   y[M, N] (float) = x[M, K] (float) @ w[N, K]^T + b; it may use
  *                     `scratch` (M * K values of W) for its input
  * Activations and the residual stream are float32 whatever W is.
@@ -12,11 +13,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifndef WLIN
+#define WLIN W /* the linears' weights; a quantized build has them as block structs (decode_q.c) */
+#endif
+
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, inter;
     float eps, scale;
     const W *ln1, *ln2;
-    const W *w_qkv, *b_qkv, *w_o, *b_o, *w_gate_up, *b_gate_up, *w_down, *b_down;
+    const WLIN *w_qkv, *w_o, *w_gate_up, *w_down;
+    const W *b_qkv, *b_o, *b_gate_up, *b_down;
     W *kv;
     int64_t num_blocks, block_size;
 } Layer;
@@ -74,8 +80,9 @@ int64_t DECODE(work_floats)(const Layer *L, int64_t num_rows) {
     int64_t qkv = (L->num_heads + 2 * L->num_kv_heads) * L->head_dim;
     int64_t widest = L->inter > L->hidden ? L->inter : L->hidden;
     if (L->num_heads * L->head_dim > widest) widest = L->num_heads * L->head_dim;
-    /* + the linears' input in W (LINEAR_SCRATCH): at most `widest` per row */
-    return num_rows * (2 * L->hidden + qkv + L->num_heads * L->head_dim + 3 * L->inter + widest);
+    /* + the linears' input in W, or in blocks (decode_q.c: with its scales and alignment, within
+     * widest + 16 floats a row) */
+    return num_rows * (2 * L->hidden + qkv + L->num_heads * L->head_dim + 3 * L->inter + widest + 16);
 }
 
 int64_t DECODE(max_head_dim)(void) { return MAX_HEAD_DIM; }

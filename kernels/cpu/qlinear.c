@@ -1,8 +1,10 @@
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) with w in GGUF's 32-wide blocks (Q8_0, Q4_0, Q4_1).
  *
- * As llama.cpp computes it: x is quantized on the fly to int8 per block of 32 (d = max|x| / 127, q =
- * round(x / d), and s = d * sum(q) kept for the weights' offset term), so that a block's dot product
- * is integer arithmetic and one float scale:
+ * x is quantized on the fly per block of 32 (d = max|x| / 127, q = round(x / d), and s = d * sum(q)
+ * kept for the weights' offset term), so that a block's dot product is integer arithmetic and one
+ * float scale. In int8 (bits = 8) as llama.cpp computes it; in int16 (bits = 16, d = max|x| / 32767)
+ * its rounding is ~250x finer, and the products follow the dequantized weights' (SmolLM2's Q4_1:
+ * teacher-forced top-1 agreement with the float model 0.97 in int8, 1.00 in int16):
  *
  *     y[m, n] = sum_b  dw[n, b] * dx[m, b] * sum_k qw[n, b, k] * qx[m, b, k]     (integer sums)
  *             + sum_b  cw[n, b] * sx[m, b]                                          (Q4 offset term)
@@ -17,10 +19,11 @@
  *   Q8  per (group, block): 8 x 32 bytes; vector q, lane l, byte i: element 4q + i of row l
  *   d, c  per (group, block): 8 floats, lane l = row l
  *
- * One unsigned-by-signed byte dot (VNNI dpbusd on AVX512-VNNI, maddubs + madd on AVX2) against four
- * bytes of x broadcast to every lane adds four products to each of the eight rows: a block is 8 such
- * instructions and one scale for 8 rows, with no horizontal sum. Q4's nibbles (0..15) go in as they
- * are; Q8_0's signed weights as |w| against x with w's sign.
+ * int8: one unsigned-by-signed byte dot (VNNI dpbusd on AVX512-VNNI, maddubs + madd on AVX2) against
+ * four bytes of x broadcast to every lane adds four products to each of the eight rows: a block is 8
+ * such instructions and one scale for 8 rows, with no horizontal sum. Q4's nibbles (0..15) go in as
+ * they are; Q8_0's signed weights as |w| against x with w's sign. int16: a lane's bytes split into
+ * int16 pairs (even bytes, odd bytes) against pairs of x (dpwssd / madd): twice the instructions.
  *
  * Tiles of GR groups (8 rows each) x MR rows of x; one OpenMP loop over tiles of weight groups
  * (libgomp is torch's, so this shares its threads). Each (m, n) is summed in the same order whatever
@@ -37,11 +40,15 @@
 #define GR 2 /* 32 vector registers: 2 groups x 4 rows of accumulators fit */
 #define QNAME(name) name##_avx512_vnni
 static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+static inline __m256i dot16_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
 #else
 #define GR 1
 #define QNAME(name) name##_avx2
 static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+static inline __m256i dot16_acc(__m256i acc, __m256i a, __m256i b) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 }
 #endif
 
@@ -54,7 +61,7 @@ static inline int32_t hsum8i(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* One row of x: per block, d = amax / 127, q = round-half-even(x * (1 / d)), s = d * sum(q). */
+/* One row of x in int8: per block, d = amax / 127, q = round-half-even(x * (1 / d)), s = d * sum(q). */
 static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, float *sx) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -83,66 +90,92 @@ static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, float
     }
 }
 
-static inline __m256i bcast4(const int8_t *p) {
+static inline __m256i bcast4(const void *p) {
     int32_t v;
     __builtin_memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
 
+/* The integer sums of block b of gr weight groups against mr rows of x, added to isum (isum2: a
+ * second chain, for few tiles in flight). bits 8: x in bytes; 16: x in int16 pairs in
+ * quantize_row16's order, each lane's weights widened to int16 pairs from the same bytes. */
+static inline __attribute__((always_inline)) void block_sums(int kind, int bits, int gr, int mr, int split,
+                                                             const void *qx, int64_t m0, int64_t K,
+                                                             const uint8_t *qs, int64_t g0, int64_t b,
+                                                             __m256i isum[GR][MR], __m256i isum2[GR][MR]) {
+    const int64_t group_bytes = (kind == KIND_Q8 ? K : K / 2) * LANES;
+    const int64_t block_bytes = (kind == KIND_Q8 ? QK : QK / 2) * LANES;
+    const __m256i low = _mm256_set1_epi8(0x0F), even = _mm256_set1_epi16(0x00FF);
+    const int nvec = kind == KIND_Q8 ? 8 : 4; /* 32-byte weight vectors a block */
+    for (int q = 0; q < nvec; q++) {
+        /* x for this vector, each row: Q4 elements 8q .. 8q + 7, Q8 4q .. 4q + 3 */
+        __m256i xa[MR], xb[MR], xc[MR], xd[MR];
+        for (int j = 0; j < mr; j++) {
+            const int64_t e = kind == KIND_Q8 ? 4 * q : 8 * q;
+            if (bits == 8) {
+                const int8_t *xr = (const int8_t *)qx + (m0 + j) * K + b * QK;
+                xa[j] = bcast4(xr + e);
+                if (kind == KIND_Q4) xb[j] = bcast4(xr + e + 4);
+            } else { /* pairs (e, e + 2), (e + 1, e + 3), then (e + 4, e + 6), (e + 5, e + 7) */
+                const int16_t *xr = (const int16_t *)qx + (m0 + j) * K + b * QK;
+                xa[j] = bcast4(xr + e);
+                xb[j] = bcast4(xr + e + 2);
+                if (kind == KIND_Q4) {
+                    xc[j] = bcast4(xr + e + 4);
+                    xd[j] = bcast4(xr + e + 6);
+                }
+            }
+        }
+        for (int g = 0; g < gr; g++) {
+            const uint8_t *p = qs + (g0 + g) * group_bytes + b * block_bytes + 32 * q;
+            const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+            const int second = split && (q & 1);
+            __m256i lo = v, hi = v;
+            if (kind == KIND_Q4) {
+                lo = _mm256_and_si256(v, low);
+                hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            for (int j = 0; j < mr; j++) {
+                __m256i acc = second ? isum2[g][j] : isum[g][j];
+                if (kind == KIND_Q4 && bits == 8) {
+                    acc = dot_acc(acc, lo, xa[j]);
+                    acc = dot_acc(acc, hi, xb[j]);
+                } else if (kind == KIND_Q4) {
+                    acc = dot16_acc(acc, _mm256_and_si256(lo, even), xa[j]);
+                    acc = dot16_acc(acc, _mm256_srli_epi16(lo, 8), xb[j]);
+                    acc = dot16_acc(acc, _mm256_and_si256(hi, even), xc[j]);
+                    acc = dot16_acc(acc, _mm256_srli_epi16(hi, 8), xd[j]);
+                } else if (bits == 8) {
+                    acc = dot_acc(acc, _mm256_abs_epi8(v), _mm256_sign_epi8(xa[j], v));
+                } else {
+                    acc = dot16_acc(acc, _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), xa[j]);
+                    acc = dot16_acc(acc, _mm256_srai_epi16(v, 8), xb[j]);
+                }
+                if (second) isum2[g][j] = acc;
+                else isum[g][j] = acc;
+            }
+        }
+    }
+}
+
 /* gr weight groups (rows n0 .. n0 + 8 gr) x mr rows of x (m0 ..); constants once inlined. */
-static inline __attribute__((always_inline)) void tile(int kind, int gr, int mr, const int8_t *qx,
+static inline __attribute__((always_inline)) void tile(int kind, int bits, int gr, int mr, const void *qx,
                                                        const float *dx, const float *sx, int64_t m0,
                                                        int64_t K, const uint8_t *qs, const float *dw,
                                                        const float *cw, const float *bias, float *y,
                                                        int64_t n0, int64_t N) {
-    const int64_t nb = K / QK, group_bytes = (kind == KIND_Q8 ? K : K / 2) * LANES;
-    const int64_t block_bytes = (kind == KIND_Q8 ? QK : QK / 2) * LANES;
-    const int64_t g0 = n0 / LANES;
-    const __m256i low = _mm256_set1_epi8(0x0F);
+    const int64_t nb = K / QK, g0 = n0 / LANES;
     __m256 acc[GR][MR];
     for (int g = 0; g < gr; g++)
         for (int j = 0; j < mr; j++) acc[g][j] = _mm256_setzero_ps();
-    /* Few tiles in flight (one row of x): the low and high nibbles' products go to two chains of
-     * integer sums, added at the block's end (exact), so that dpbusd's latency overlaps. */
+    /* Few tiles in flight (one row of x): alternate vectors go to two chains of integer sums, added
+     * at the block's end (exact), so that the dot instructions' latency overlaps. */
     const int split = gr * mr < 4;
     for (int64_t b = 0; b < nb; b++) {
         __m256i isum[GR][MR], isum2[GR][MR];
         for (int g = 0; g < gr; g++)
             for (int j = 0; j < mr; j++) isum[g][j] = isum2[g][j] = _mm256_setzero_si256();
-        if (kind == KIND_Q4) {
-            for (int q = 0; q < 4; q++) {
-                __m256i xlo[MR], xhi[MR];
-                for (int j = 0; j < mr; j++) {
-                    const int8_t *xb = qx + (m0 + j) * K + b * QK + 8 * q;
-                    xlo[j] = bcast4(xb);
-                    xhi[j] = bcast4(xb + 4);
-                }
-                for (int g = 0; g < gr; g++) {
-                    const uint8_t *p = qs + (g0 + g) * group_bytes + b * block_bytes + 32 * q;
-                    __m256i v = _mm256_loadu_si256((const __m256i *)p);
-                    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    for (int j = 0; j < mr; j++) {
-                        isum[g][j] = dot_acc(isum[g][j], lo, xlo[j]);
-                        if (split) isum2[g][j] = dot_acc(isum2[g][j], hi, xhi[j]);
-                        else isum[g][j] = dot_acc(isum[g][j], hi, xhi[j]);
-                    }
-                }
-            }
-        } else {
-            for (int q = 0; q < 8; q++) {
-                __m256i xq[MR];
-                for (int j = 0; j < mr; j++) xq[j] = bcast4(qx + (m0 + j) * K + b * QK + 4 * q);
-                for (int g = 0; g < gr; g++) {
-                    const uint8_t *p = qs + (g0 + g) * group_bytes + b * block_bytes + 32 * q;
-                    __m256i w = _mm256_loadu_si256((const __m256i *)p), wabs = _mm256_abs_epi8(w);
-                    for (int j = 0; j < mr; j++) {
-                        __m256i xs = _mm256_sign_epi8(xq[j], w);
-                        if (split && (q & 1)) isum2[g][j] = dot_acc(isum2[g][j], wabs, xs);
-                        else isum[g][j] = dot_acc(isum[g][j], wabs, xs);
-                    }
-                }
-            }
-        }
+        block_sums(kind, bits, gr, mr, split, qx, m0, K, qs, g0, b, isum, isum2);
         for (int g = 0; g < gr; g++) {
             __m256 d = _mm256_loadu_ps(dw + ((g0 + g) * nb + b) * LANES);
             __m256 c = kind == KIND_Q4 ? _mm256_loadu_ps(cw + ((g0 + g) * nb + b) * LANES) : d;
@@ -171,62 +204,102 @@ static inline __attribute__((always_inline)) void tile(int kind, int gr, int mr,
     }
 }
 
-#define ROWS_OF_X(KIND, GRV)                                                                            \
+#define ROWS_OF_X(KIND, BITS, GRV)                                                                      \
     for (int64_t m0 = 0; m0 < M; m0 += MR) {                                                            \
         switch (M - m0 >= MR ? MR : (int)(M - m0)) {                                                    \
-        case 4: tile(KIND, GRV, 4, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;             \
-        case 3: tile(KIND, GRV, 3, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;             \
-        case 2: tile(KIND, GRV, 2, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;             \
-        default: tile(KIND, GRV, 1, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;            \
+        case 4: tile(KIND, BITS, GRV, 4, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;       \
+        case 3: tile(KIND, BITS, GRV, 3, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;       \
+        case 2: tile(KIND, BITS, GRV, 2, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;       \
+        default: tile(KIND, BITS, GRV, 1, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;      \
         }                                                                                               \
     }
+#define BY_GROUPS(KIND, BITS)                                                                           \
+    if (groups == GR) {                                                                                 \
+        ROWS_OF_X(KIND, BITS, GR)                                                                       \
+    } else {                                                                                            \
+        ROWS_OF_X(KIND, BITS, 1)                                                                        \
+    }
 
-static void weight_tile(int kind, const int8_t *qx, const float *dx, const float *sx, int64_t M, int64_t K,
-                        const uint8_t *qs, const float *dw, const float *cw, const float *bias, float *y,
-                        int64_t n0, int64_t groups, int64_t N) {
-    if (kind == KIND_Q8) {
-        if (groups == GR) { ROWS_OF_X(KIND_Q8, GR) }
-        else { ROWS_OF_X(KIND_Q8, 1) }
-    } else {
-        if (groups == GR) { ROWS_OF_X(KIND_Q4, GR) }
-        else { ROWS_OF_X(KIND_Q4, 1) }
+static void weight_tile(int kind, int bits, const void *qx, const float *dx, const float *sx, int64_t M,
+                        int64_t K, const uint8_t *qs, const float *dw, const float *cw, const float *bias,
+                        float *y, int64_t n0, int64_t groups, int64_t N) {
+    if (bits == 8 && kind == KIND_Q8) { BY_GROUPS(KIND_Q8, 8) }
+    else if (bits == 8) { BY_GROUPS(KIND_Q4, 8) }
+    else if (kind == KIND_Q8) { BY_GROUPS(KIND_Q8, 16) }
+    else { BY_GROUPS(KIND_Q4, 16) }
+}
+
+/* One row of x in int16: per block, d = amax / 32767, q = round-half-even(x * (1 / d)), s = d * sum(q);
+ * each 4 elements [a b c d] stored as [a c b d], the pairs block_sums reads in a 32-bit lane. */
+static void quantize_row16(const float *x, int64_t K, int16_t *qx, float *dx, float *sx) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *p = x + b * QK;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(p + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        float d = _mm_cvtss_f32(m) / 32767.0f;
+        float id = d > 0.0f ? 1.0f / d : 0.0f;
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        for (int h = 0; h < 2; h++) {
+            /* packs interleaves 128-bit lanes; the permute restores order, the shuffles make [a c b d] */
+            __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8);
+            w = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(w, 0xD8), 0xD8);
+            _mm256_storeu_si256((__m256i *)(qx + b * QK + 16 * h), w);
+        }
+        dx[b] = d;
+        sx[b] = d * (float)hsum8i(sum);
     }
 }
 
-/* x [M, K] float32 -> its int8 blocks: qx [M, K], dx and sx [M, K/32]. K: a multiple of 32. */
-void QNAME(quantize_rows)(const float *x, int64_t M, int64_t K, int8_t *qx, float *dx, float *sx,
+/* x [M, K] float32 -> its blocks in bits 8 or 16: qx [M, K] of int8 / int16, dx and sx [M, K/32]. */
+void QNAME(quantize_rows)(int64_t bits, const float *x, int64_t M, int64_t K, void *qx, float *dx, float *sx,
                           int num_threads) {
     const int64_t nb = K / QK;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);
+    for (int64_t m = 0; m < M; m++) {
+        if (bits == 8) quantize_row(x + m * K, K, (int8_t *)qx + m * K, dx + m * nb, sx + m * nb);
+        else quantize_row16(x + m * K, K, (int16_t *)qx + m * K, dx + m * nb, sx + m * nb);
+    }
 }
 
-/* y = x @ w^T + bias from x's int8 blocks (quantize_rows). kind: 0 Q8_0, 1 Q4 (cw: Q4_0 / Q4_1).
+/* y = x @ w^T + bias from x's blocks (quantize_rows). kind: 0 Q8_0, 1 Q4 (cw: Q4_0 / Q4_1).
  * The weight holds ceil(N / 8) groups (the last padded). */
-void QNAME(qlinear_blocks)(int64_t kind, const int8_t *qx, const float *dx, const float *sx, int64_t M,
-                           int64_t K, const uint8_t *qs, const float *dw, const float *cw, const float *bias,
-                           float *y, int64_t N, int num_threads) {
+void QNAME(qlinear_blocks)(int64_t kind, int64_t bits, const void *qx, const float *dx, const float *sx,
+                           int64_t M, int64_t K, const uint8_t *qs, const float *dw, const float *cw,
+                           const float *bias, float *y, int64_t N, int num_threads) {
     /* one or two rows of x: one group a tile reads faster (measured: fewer streams in flight) */
     const int64_t step = M <= 2 ? 1 : GR;
     const int64_t groups = (N + LANES - 1) / LANES, tiles = (groups + step - 1) / step;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t g = t * step, here = groups - g < step ? groups - g : step;
-        weight_tile((int)kind, qx, dx, sx, M, K, qs, dw, cw, bias, y, g * LANES, here, N);
+        weight_tile((int)kind, (int)bits, qx, dx, sx, M, K, qs, dw, cw, bias, y, g * LANES, here, N);
     }
 }
 
-/* Both in one call: scratch holds M * K bytes of qx, then 2 * M * K/32 floats (dx, sx). */
-void QNAME(qlinear_f32)(int64_t kind, const float *x, int64_t M, int64_t K, void *scratch,
+static inline int64_t x_bytes(int64_t bits, int64_t M, int64_t K) {
+    return (M * K * (bits / 8) + 63) & ~(int64_t)63;
+}
+
+/* Both in one call: scratch holds x's blocks, then 2 * M * K/32 floats (dx, sx). */
+void QNAME(qlinear_f32)(int64_t kind, int64_t bits, const float *x, int64_t M, int64_t K, void *scratch,
                         const uint8_t *qs, const float *dw, const float *cw, const float *bias, float *y,
                         int64_t N, int num_threads) {
-    int8_t *qx = (int8_t *)scratch;
-    float *dx = (float *)((char *)scratch + ((M * K + 63) & ~(int64_t)63)), *sx = dx + M * (K / QK);
-    QNAME(quantize_rows)(x, M, K, qx, dx, sx, num_threads);
-    QNAME(qlinear_blocks)(kind, qx, dx, sx, M, K, qs, dw, cw, bias, y, N, num_threads);
+    float *dx = (float *)((char *)scratch + x_bytes(bits, M, K)), *sx = dx + M * (K / QK);
+    QNAME(quantize_rows)(bits, x, M, K, scratch, dx, sx, num_threads);
+    QNAME(qlinear_blocks)(kind, bits, scratch, dx, sx, M, K, qs, dw, cw, bias, y, N, num_threads);
 }
 
 /* Bytes of scratch qlinear_f32 needs. */
-int64_t QNAME(qlinear_scratch_bytes)(int64_t M, int64_t K) {
-    return ((M * K + 63) & ~(int64_t)63) + 2 * M * (K / QK) * (int64_t)sizeof(float);
+int64_t QNAME(qlinear_scratch_bytes)(int64_t bits, int64_t M, int64_t K) {
+    return x_bytes(bits, M, K) + 2 * M * (K / QK) * (int64_t)sizeof(float);
 }

@@ -19,7 +19,8 @@ LANES = 8  # weight rows interleaved per group: one 32-bit lane each
 
 SOURCE = Path(__file__).parent / "qlinear.c"
 ISAS = ("avx512_vnni", "avx2")
-_KIND = {"q8_0": 0, "q4_0": 1, "q4_1": 1}
+ACTIVATION_BITS = (8, 16)
+KIND_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 1}  # qlinear.c's kind: Q4_0 and Q4_1 differ only in c
 
 
 class QLinearKernel:
@@ -30,21 +31,24 @@ class QLinearKernel:
             raise ValueError(f"isa: expected one of {ISAS}, got {isa!r}")
         self.isa = isa
         self._fn = getattr(library, f"qlinear_f32_{isa}")
-        self._fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        self._fn.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int]
+        self._fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        self._fn.argtypes += [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_int]
         self._fn.restype = None
         self._scratch_bytes = getattr(library, f"qlinear_scratch_bytes_{isa}")
-        self._scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        self._scratch_bytes.argtypes = [ctypes.c_int64] * 3
         self._scratch_bytes.restype = ctypes.c_int64
 
-    def bind(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> BoundQLinear:
+    def bind(self, weight: QuantizedWeight, bias: torch.Tensor | None, bits: int = 16) -> BoundQLinear:
+        """``bits``: x's blocks in int8 (llama.cpp's arithmetic) or int16 (close to the float product)."""
         num_out = weight.shape[0]
+        if bits not in ACTIVATION_BITS:
+            raise ValueError(f"bits: expected one of {ACTIVATION_BITS}, got {bits!r}")
         if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (num_out,)):
             raise ValueError(f"bias: expected [{num_out}] float32, got {bias.dtype} {tuple(bias.shape)}")
-        return BoundQLinear(self, pack(weight), None if bias is None else bias.contiguous())
+        return BoundQLinear(self, pack(weight), None if bias is None else bias.contiguous(), bits)
 
-    def scratch_bytes(self, rows: int, cols: int) -> int:
-        return int(self._scratch_bytes(rows, cols))
+    def scratch_bytes(self, bits: int, rows: int, cols: int) -> int:
+        return int(self._scratch_bytes(bits, rows, cols))
 
 
 class PackedQWeight:
@@ -92,10 +96,12 @@ def pack(weight: QuantizedWeight) -> PackedQWeight:
 class BoundQLinear:
     """One layer's weight bound to the kernel: only ``x`` per call."""
 
-    __slots__ = ("_args", "_fn", "bias", "kernel", "num_in", "num_out", "weight")
+    __slots__ = ("_args", "_fn", "bias", "bits", "kernel", "num_in", "num_out", "weight")
 
-    def __init__(self, kernel: QLinearKernel, weight: PackedQWeight, bias: torch.Tensor | None) -> None:
-        self.kernel, self.weight, self.bias = kernel, weight, bias
+    def __init__(
+        self, kernel: QLinearKernel, weight: PackedQWeight, bias: torch.Tensor | None, bits: int
+    ) -> None:
+        self.kernel, self.weight, self.bias, self.bits = kernel, weight, bias, bits
         self.num_out, self.num_in = weight.shape
         c = weight.c.data_ptr() if weight.c is not None else None
         b = bias.data_ptr() if bias is not None else None
@@ -110,10 +116,10 @@ class BoundQLinear:
         x = x.contiguous()
         rows = x.shape[0]
         out = torch.empty(rows, self.num_out, dtype=torch.float32)
-        scratch = torch.empty(self.kernel.scratch_bytes(rows, self.num_in), dtype=torch.uint8)
+        scratch = torch.empty(self.kernel.scratch_bytes(self.bits, rows, self.num_in), dtype=torch.uint8)
         qs, d, c, b = self._args
         self._fn(
-            _KIND[self.weight.kind], x.data_ptr(), rows, self.num_in, scratch.data_ptr(),
+            KIND_CODES[self.weight.kind], self.bits, x.data_ptr(), rows, self.num_in, scratch.data_ptr(),
             qs, d, c, b, out.data_ptr(), self.num_out, torch.get_num_threads(),
         )  # fmt: skip
         return out

@@ -15,12 +15,20 @@ import pytest
 import torch
 
 from kernels.cpu.build import KernelBuildError, compiler
-from kernels.cpu.decode import KERNELS, DecodeLayerKernel, load_decode_kernel
+from kernels.cpu.decode import (
+    KERNELS,
+    QUANT_KERNELS,
+    DecodeLayerKernel,
+    load_decode_kernel,
+    load_quant_decode_kernel,
+)
 from tests.worker.test_models_tiny import _save_hf
 from worker.attention import AttentionMetadata, allocate_kv_cache
 from worker.cpu_isa import IsaLevel, probe
 from worker.models.cpu_decode import CpuDecodeStep
+from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_model
+from worker.models.quant import quant_isa, quantize_linears, set_activation_bits, use_quant_kernels
 
 NEEDS = {"avx512": IsaLevel.AVX512, "avx2": IsaLevel.AVX2, "avx512_bf16": IsaLevel.AVX512_BF16}
 BLOCK_SIZE = 4
@@ -60,8 +68,51 @@ def test_fused_step_equals_the_torch_path(
 ) -> None:
     _save_hf(name, tmp_path)
     dtype = kernel.dtype
-    model, cfg = load_model(tmp_path, dtype)
+    model, _ = load_model(tmp_path, dtype)
     rng = random.Random(len(seq_lens) * 100 + seq_lens[0])
+    got, expected, fused_caches, caches = run_both(model, kernel, seq_lens, rng)
+    assert got.dtype == expected.dtype == dtype
+    if dtype == torch.float32:
+        # another summation order (and a few-ulp exp): far below what a wrong index would give
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for ours, theirs in zip(fused_caches, caches, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        return
+    # bf16: torch rounds ~10 times a layer, the kernel twice: within a few % of the values' scale
+    for ours, theirs in [(got, expected), *zip(fused_caches, caches, strict=True)]:
+        error = (ours.float() - theirs.float()).abs().max().item()
+        assert error < 0.05 * theirs.float().abs().max().item(), error
+
+
+@pytest.mark.parametrize("isa", list(QUANT_KERNELS))
+@pytest.mark.parametrize(("kind", "bits"), [("q4_1", 16), ("q8_0", 16), ("q4_1", 8)])
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-qkv-bias-yarn", "mistral-sliding-window"])
+def test_fused_quantized_step_equals_the_torch_path(
+    isa: str, kind: str, bits: int, name: str, tmp_path: Path
+) -> None:
+    """decode_q.c: the same qlinear kernel inside the fused layer as in the model's QuantLinears."""
+    caps = probe()
+    if quant_isa(caps) is None or (isa == "avx512_vnni" and quant_isa(caps) != isa):
+        pytest.skip(f"this CPU (as probed) cannot run the {isa} build ({caps.describe()})")
+    _save_hf(name, tmp_path)
+    model, _ = load_model(tmp_path, torch.float32)
+    quantize_linears(model, kind)
+    set_activation_bits(model, bits)
+    assert use_quant_kernels(model, caps, tmp_path / "kernels") > 0
+    kernel = load_quant_decode_kernel(isa, tmp_path / "kernels")
+    got, expected, _, _ = run_both(model, kernel, [100, 3, 64, 33, 9], random.Random(5))
+    error = float((got - expected).norm() / expected.norm())
+    # the linears are the same kernel: float32 rounding elsewhere (norms, attention), which int8's
+    # coarse rounding mostly absorbs (measured ~3e-7) and int16's passes on (~2e-5), as float32 does
+    assert error < 1e-4, error
+
+
+def run_both(
+    model: LlamaForCausalLM, kernel: DecodeLayerKernel, seq_lens: list[int], rng: random.Random
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """One decode step of rows with these context lengths over shuffled blocks (earlier K/V random),
+    by the fused kernel and by the model's torch path: (got, expected, their caches after)."""
+    cfg, dtype = model.config, kernel.dtype
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     rows = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
@@ -77,7 +128,6 @@ def test_fused_step_equals_the_torch_path(
     slots = [
         row[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for row, p in zip(rows, positions, strict=True)
     ]
-
     width = max(map(len, rows))
     meta = AttentionMetadata.build(
         slot_mapping=torch.tensor(slots),
@@ -91,14 +141,4 @@ def test_fused_step_equals_the_torch_path(
     with torch.inference_mode():
         expected = model(torch.tensor(input_ids), torch.tensor(positions), caches, meta)
         got = CpuDecodeStep(model, fused_caches, kernel).run(input_ids, positions, slots, seq_lens, rows)
-    assert got.dtype == expected.dtype == dtype
-    if dtype == torch.float32:
-        # another summation order (and a few-ulp exp): far below what a wrong index would give
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        for ours, theirs in zip(fused_caches, caches, strict=True):
-            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-        return
-    # bf16: torch rounds ~10 times a layer, the kernel twice: within a few % of the values' scale
-    for ours, theirs in [(got, expected), *zip(fused_caches, caches, strict=True)]:
-        error = (ours.float() - theirs.float()).abs().max().item()
-        assert error < 0.05 * theirs.float().abs().max().item(), error
+    return got, expected, fused_caches, caches

@@ -1,8 +1,8 @@
 """qlinear.c: block-quantized weights (Q8_0 / Q4_0 / Q4_1) against the torch spec, on both builds.
 
-The spec (``kernels.quant_format.qlinear_reference``) quantizes x to int8 per block and sums the blocks
-in integers, as llama.cpp does; the kernel must agree to float rounding, whatever the batch, and the
-formats' dequantized values must equal the gguf package's (llama.cpp's reference code) exactly.
+The spec (``kernels.quant_format.qlinear_reference``) quantizes x to int8 (as llama.cpp does) or int16
+per block and sums the blocks in integers; the kernel must agree to float rounding, whatever the
+batch, and the formats' dequantized values must equal the gguf package's (llama.cpp's) exactly.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kernels.cpu.build import KernelBuildError
-from kernels.cpu.qlinear import ISAS, QLinearKernel, load_qlinear_kernel
+from kernels.cpu.qlinear import ACTIVATION_BITS, ISAS, QLinearKernel, load_qlinear_kernel
 from kernels.quant_format import KINDS, QuantizedWeight, UnsupportedQuantError, qlinear_reference
 from worker.cpu_isa import probe
 from worker.models.quant import quant_isa
@@ -47,28 +47,30 @@ def test_dequantized_values_equal_llama_cpps(kind: str) -> None:
     assert torch.equal(QuantizedWeight.quantize(weight, kind).dequantize(), torch.from_numpy(expected))
 
 
+@pytest.mark.parametrize("bits", ACTIVATION_BITS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("rows", "num_out", "num_in"), SHAPES)
 def test_kernel_matches_the_spec(
-    kernel: QLinearKernel, kind: str, rows: int, num_out: int, num_in: int
+    kernel: QLinearKernel, kind: str, bits: int, rows: int, num_out: int, num_in: int
 ) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + num_out)
     weight = QuantizedWeight.quantize(torch.randn(num_out, num_in, generator=gen), kind)
     x = torch.randn(rows, num_in, generator=gen) * 3
     x[0, 0] = 40.0  # an outlier, as real activations have: its block's scale is large
     bias = torch.randn(num_out, generator=gen)
-    got = kernel.bind(weight, bias)(x)
-    expected = qlinear_reference(x, weight, bias)
+    got = kernel.bind(weight, bias, bits)(x)
+    expected = qlinear_reference(x, weight, bias, bits)
     torch.testing.assert_close(got, expected, atol=1e-5 * float(expected.abs().max()), rtol=1e-5)
-    # and the spec is the dequantized weight's product, up to x's int8 rounding (about 1%)
+    # and the spec is the dequantized weight's product up to x's rounding: ~1% in int8, ~1e-4 in int16
     exact = x @ weight.dequantize().T + bias
-    assert float((expected - exact).norm() / exact.norm()) < 0.03
+    assert float((expected - exact).norm() / exact.norm()) < (0.03 if bits == 8 else 3e-4)
 
 
+@pytest.mark.parametrize("bits", ACTIVATION_BITS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_row_does_not_depend_on_its_batch(kernel: QLinearKernel, kind: str) -> None:
+def test_a_row_does_not_depend_on_its_batch(kernel: QLinearKernel, kind: str, bits: int) -> None:
     gen = torch.Generator().manual_seed(7)
-    bound = kernel.bind(QuantizedWeight.quantize(torch.randn(72, 128, generator=gen), kind), None)
+    bound = kernel.bind(QuantizedWeight.quantize(torch.randn(72, 128, generator=gen), kind), None, bits)
     x = torch.randn(37, 128, generator=gen)
     batched = bound(x)
     for row in (0, 1, 2, 5, 36):
@@ -84,6 +86,8 @@ def test_bad_inputs_are_refused(kernel: QLinearKernel) -> None:
         bound(torch.randn(2, 64, dtype=torch.float64))
     with pytest.raises(ValueError, match="bias"):
         kernel.bind(QuantizedWeight.quantize(torch.randn(8, 64), "q8_0"), torch.randn(7))
+    with pytest.raises(ValueError, match="bits"):
+        kernel.bind(QuantizedWeight.quantize(torch.randn(8, 64), "q8_0"), None, 4)
 
 
 def test_formats_refuse_what_they_cannot_hold() -> None:

@@ -19,12 +19,21 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from kernels.cpu.build import KernelBuildError
-from kernels.cpu.decode import DecodeLayerKernel, LayerArgs, StepArgs, load_decode_kernel
+from kernels.cpu.decode import (
+    DecodeLayerKernel,
+    LayerArgs,
+    QWeightArgs,
+    StepArgs,
+    load_decode_kernel,
+    load_quant_decode_kernel,
+)
+from kernels.cpu.qlinear import KIND_CODES
 from worker.cpu_isa import CpuCaps, IsaLevel
 from worker.models.llama import DecoderLayer, LlamaForCausalLM
-from worker.models.quant import is_quantized
+from worker.models.quant import QuantLinear, is_quantized, quant_isa
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +41,9 @@ log = logging.getLogger(__name__)
 # where MKL's sgemm starts to win a lone linear) the fused layer still won as a whole: batch 24
 # 110 vs 141 ms, batch 32 129 vs 146 (TIERSERVE_CPU_ISA=avx2 on the 2-core EPYC, alternated 3x).
 MAX_ROWS = {"avx512": 32, "avx2": 32, "avx512_bf16": 32}
+# Block-quantized linears stay cheap per row further (qlinear.c: 32 rows 16 ms, 128 rows 53 ms for
+# SmolLM2's linears on the 2-core EPYC, VNNI), so their fused step takes larger decode batches.
+QUANT_MAX_ROWS = {"avx512_vnni": 64, "avx2": 32}
 
 
 class CpuDecodeStep:
@@ -42,11 +54,12 @@ class CpuDecodeStep:
         self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], kernel: DecodeLayerKernel
     ) -> None:
         self.model, self.kv_caches, self.kernel = model, kv_caches, kernel
-        self.max_rows = MAX_ROWS[kernel.isa]
+        self.max_rows = (QUANT_MAX_ROWS if kernel.quantized else MAX_ROWS)[kernel.isa]
         cfg = model.config
         self.sliding_window = cfg.sliding_window or 0
         self.layers: list[LayerArgs] = []
         self._keep: list[torch.Tensor] = []  # contiguous copies a pointer refers to (none for our models)
+        self._structs: list[QWeightArgs] = []  # the quantized weights' descriptors the layers point to
         for layer, kv in zip(model.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
             self.layers.append(self._layer_args(layer, kv))
@@ -60,26 +73,44 @@ class CpuDecodeStep:
             self._keep.append(t)
         return t.data_ptr()
 
+    def _weight(self, linear: nn.Module) -> int | None:
+        """The address the kernel reads a linear's weight from: the tensor, or (quantized) a QWeightArgs
+        naming its packed arrays."""
+        if not self.kernel.quantized:
+            assert isinstance(linear.weight, torch.Tensor)
+            return self._tensor(linear.weight)
+        assert isinstance(linear, QuantLinear) and linear.packed is not None
+        packed = linear.packed
+        args = QWeightArgs(
+            kind=KIND_CODES[packed.kind],
+            bits=linear.bits,
+            qs=packed.qs.data_ptr(),
+            d=packed.d.data_ptr(),
+            c=None if packed.c is None else packed.c.data_ptr(),
+        )
+        self._structs.append(args)
+        return ctypes.addressof(args)
+
     def _layer_args(self, layer: DecoderLayer, kv: torch.Tensor) -> LayerArgs:
         _, _, num_blocks, block_size, _ = kv.shape
-        t = self._tensor
+        t, w = self._tensor, self._weight
         return LayerArgs(
-            hidden=layer.o_proj.weight.shape[0],
+            hidden=layer.o_proj.out_features,
             num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads,
             head_dim=layer.head_dim,
-            inter=layer.down_proj.weight.shape[1],
+            inter=layer.down_proj.in_features,
             eps=layer.input_layernorm.eps,
             scale=layer.scale,
             ln1=t(layer.input_layernorm.weight),
             ln2=t(layer.post_attention_layernorm.weight),
-            w_qkv=t(layer.qkv_proj.weight),
+            w_qkv=w(layer.qkv_proj),
+            w_o=w(layer.o_proj),
+            w_gate_up=w(layer.gate_up_proj),
+            w_down=w(layer.down_proj),
             b_qkv=t(layer.qkv_proj.bias),
-            w_o=t(layer.o_proj.weight),
             b_o=t(layer.o_proj.bias),
-            w_gate_up=t(layer.gate_up_proj.weight),
             b_gate_up=t(layer.gate_up_proj.bias),
-            w_down=t(layer.down_proj.weight),
             b_down=t(layer.down_proj.bias),
             kv=kv.data_ptr(),  # the runner's cache itself: written in place, never a copy
             num_blocks=num_blocks,
@@ -138,7 +169,12 @@ def fused_isa(model: LlamaForCausalLM, caps: CpuCaps) -> tuple[str | None, str]:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None, "not a float32 or bfloat16 model on CPU"
     if is_quantized(model):
-        return None, "its weights are block-quantized (the fused layer takes float weights)"
+        linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, QuantLinear)]
+        if weight.dtype != torch.float32:
+            return None, f"block-quantized weights take a float32 model (norms, cache), not {weight.dtype}"
+        if any(m.packed is None for m in linears):
+            return None, "its quantized linears run the torch reference (no C kernel bound)"
+        return quant_isa(caps), ""
     if weight.dtype == torch.bfloat16:
         if not caps.native_bf16:
             return None, f"a bfloat16 model needs AVX512-BF16, the CPU is {caps.level.label}"
@@ -159,7 +195,10 @@ def fused_decode_step(
     kernel: DecodeLayerKernel | None = None
     if isa is not None:
         try:
-            kernel = load_decode_kernel(isa, cache_dir, dtype)
+            if is_quantized(model):
+                kernel = load_quant_decode_kernel(isa, cache_dir)
+            else:
+                kernel = load_decode_kernel(isa, cache_dir, dtype)
         except KernelBuildError as exc:
             why_not = str(exc)
     head_dim = model.config.head_dim
@@ -170,7 +209,8 @@ def fused_decode_step(
         log.info("decode steps: no fused C layer: %s", why_not)
         return None
     step = CpuDecodeStep(model, kv_caches, kernel)
+    weights = "block-quantized" if kernel.quantized else str(dtype)
     log.info(
-        "decode steps of up to %d sequences: one fused %s %s C call per layer", step.max_rows, dtype, isa
+        "decode steps of up to %d sequences: one fused %s %s C call per layer", step.max_rows, weights, isa
     )
     return step

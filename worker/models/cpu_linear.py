@@ -40,6 +40,7 @@ class DecodeLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CpuLinearKernel) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # arena memory, not a copy
+        self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
         self.kernel = kernel
         self.max_rows = MAX_ROWS[kernel.isa]

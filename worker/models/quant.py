@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kernels.cpu.build import KernelBuildError
-from kernels.cpu.qlinear import BoundQLinear, load_qlinear_kernel
+from kernels.cpu.qlinear import BoundQLinear, PackedQWeight, load_qlinear_kernel
 from kernels.quant_format import QuantizedWeight, qlinear_reference
 from worker.cpu_isa import CpuCaps, IsaLevel
 
@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 class QuantLinear(nn.Module):
     """``x @ W.T + b`` with W block-quantized; float32 arithmetic, the output in ``x``'s dtype."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, bits: int = 16) -> None:
         super().__init__()
         self.kind = weight.kind
+        self.bits = bits  # x's blocks: int16 (default, close to the float product) or int8 (llama.cpp's)
         self.out_features, self.in_features = weight.shape
         self.weight_q: QuantizedWeight | None = weight
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -41,18 +42,23 @@ class QuantLinear(nn.Module):
         self._bound, self.weight_q = bound, None
         self.weight_bytes = bound.weight.num_bytes
 
+    @property
+    def packed(self) -> PackedQWeight | None:
+        """The kernel's copy of the weight (None before ``bind``): what the fused layer reads too."""
+        return None if self._bound is None else self._bound.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         if self._bound is not None:
             y = self._bound(flat)
         else:
             assert self.weight_q is not None
-            y = qlinear_reference(flat, self.weight_q, self.bias)
+            y = qlinear_reference(flat, self.weight_q, self.bias, self.bits)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         kernel = "C kernel" if self._bound is not None else "torch reference"
-        return f"{self.in_features} -> {self.out_features}, {self.kind}, {kernel}"
+        return f"{self.in_features} -> {self.out_features}, {self.kind}, x in int{self.bits}, {kernel}"
 
 
 class QuantEmbedding(nn.Module):
@@ -67,6 +73,28 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight_q.rows(ids.reshape(-1)).dequantize(self.dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
+
+
+def quantize_linears(model: nn.Module, kind: str) -> int:
+    """Quantize a float model's projections to ``kind`` on the fly (llama.cpp's reference quantizer):
+    every nn.Linear becomes a QuantLinear; embeddings (and tied logits) stay float. How many."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, QuantLinear(QuantizedWeight.quantize(child.weight, kind), child.bias))
+                count += 1
+    log.info("%d linears quantized to %s", count, kind)
+    return count
+
+
+def set_activation_bits(model: nn.Module, bits: int) -> None:
+    """x's blocks in int16 or int8 for every QuantLinear (before ``use_quant_kernels`` binds them)."""
+    for layer in model.modules():
+        if isinstance(layer, QuantLinear):
+            if layer.packed is not None:
+                raise ValueError("set_activation_bits: the linears are bound already")
+            layer.bits = bits
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -100,7 +128,7 @@ def use_quant_kernels(model: nn.Module, caps: CpuCaps | None, cache_dir: Path) -
         return 0
     for layer in layers:
         assert layer.weight_q is not None
-        layer.bind(kernel.bind(layer.weight_q, layer.bias))
+        layer.bind(kernel.bind(layer.weight_q, layer.bias, layer.bits))
     total = sum(layer.weight_bytes for layer in layers)
     log.info("%d quantized linears use the %s C kernel (%.0f MB of weights)", len(layers), isa, total / 1e6)
     return len(layers)
