@@ -52,6 +52,12 @@ def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return load_decode_kernel(isa, tmp_path_factory.mktemp("kernels"), dtype)
 
 
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One build cache for the module: each build compiles once."""
+    return tmp_path_factory.mktemp("kernels")
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -88,7 +94,7 @@ def test_fused_step_equals_the_torch_path(
 @pytest.mark.parametrize(("kind", "bits"), [("q4_1", 16), ("q8_0", 16), ("q4_1", 8)])
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-qkv-bias-yarn", "mistral-sliding-window"])
 def test_fused_quantized_step_equals_the_torch_path(
-    isa: str, kind: str, bits: int, name: str, tmp_path: Path
+    isa: str, kind: str, bits: int, name: str, tmp_path: Path, kernel_dir: Path
 ) -> None:
     """decode_q.c: the same qlinear kernel inside the fused layer as in the model's QuantLinears."""
     caps = probe()
@@ -98,8 +104,8 @@ def test_fused_quantized_step_equals_the_torch_path(
     model, _ = load_model(tmp_path, torch.float32)
     quantize_linears(model, kind)
     set_activation_bits(model, bits)
-    assert use_quant_kernels(model, caps, tmp_path / "kernels") > 0
-    kernel = load_quant_decode_kernel(isa, tmp_path / "kernels")
+    assert use_quant_kernels(model, caps, kernel_dir) > 0
+    kernel = load_quant_decode_kernel(isa, kernel_dir)
     got, expected, _, _ = run_both(model, kernel, [100, 3, 64, 33, 9], random.Random(5))
     error = float((got - expected).norm() / expected.norm())
     # the linears are the same kernel: float32 rounding elsewhere (norms, attention), which int8's
