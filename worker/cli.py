@@ -48,6 +48,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-cpu-kernels", action="store_true", help="torch's matmuls only, not our C kernels (to compare)"
     )
     parser.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),  # worker.config.QUANTIZATIONS
+        default="none",
+        help="quantize a float checkpoint's linears at load: int8 (Q8_0 blocks) or int4 (Q4_1 groups of 32)",
+    )
+    parser.add_argument(
         "--quant-activations",
         choices=("int16", "int8"),  # worker.config.QUANT_ACTIVATIONS (not imported here: torch)
         default="int16",
@@ -170,6 +176,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         cpu_kernels=not args.no_cpu_kernels,
         quant_activations=args.quant_activations,
+        quantization=args.quantization,
     )
 
 

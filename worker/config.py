@@ -13,6 +13,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 # (Triton's interpreter: slow, for tests on tiny models).
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 QUANT_ACTIVATIONS = ("int16", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 @dataclass(slots=True)
@@ -31,6 +32,7 @@ class EngineConfig:
     kernel_backend: str = "auto"
     cpu_kernels: bool = True  # our C kernels where the CPU probe allows (models/cpu_linear.py, cpu_decode.py)
     quant_activations: str = "int16"  # block-quantized linears: x in int16 or int8 blocks (models/quant.py)
+    quantization: str = "none"  # a float checkpoint's linears quantized at load (models/quant.py)
     cuda_graphs: bool = (
         False  # decode-only steps replay CUDA graphs (batch-size buckets); needs CUDA + Triton
     )
@@ -44,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"block_size: expected 8, 16 or 32, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: expected one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quant_activations not in QUANT_ACTIVATIONS:
             raise ValueError(
                 f"quant_activations: expected one of {QUANT_ACTIVATIONS}, got {self.quant_activations!r}"

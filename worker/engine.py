@@ -84,9 +84,9 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model_path = resolve_model(config.model)
-        if is_gguf_folder(model_path) and config.dtype == "auto":
-            # its quantized linears compute in float32, and the fused decode layer takes a float32 cache
-            log.info("dtype: float32 (a GGUF model's quantized linears compute in float32)")
+        if (is_gguf_folder(model_path) or config.quantization != "none") and config.dtype == "auto":
+            # quantized linears compute in float32, and the fused decode layer takes a float32 cache
+            log.info("dtype: float32 (quantized linears compute in float32)")
             config = dataclasses.replace(config, dtype="float32")
         config = resolve_dtype(config)
         tokenizer = AutoTokenizer.from_pretrained(model_path)

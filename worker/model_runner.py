@@ -44,7 +44,13 @@ from worker.models.cpu_linear import use_decode_linears
 from worker.models.cpu_packing import pack_linears_if_supported
 from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_model
-from worker.models.quant import is_quantized, set_activation_bits, use_quant_kernels
+from worker.models.quant import (
+    QUANTIZATION_KINDS,
+    is_quantized,
+    quantize_linears,
+    set_activation_bits,
+    use_quant_kernels,
+)
 from worker.models.store import kernel_cache_dir
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
@@ -290,6 +296,10 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
 
         model.use_kernels(TritonLayerOps(), attention)
     caps = probe() if device.type == "cpu" and backend is KernelBackend.TORCH else None
+    if config.quantization != "none":
+        if is_quantized(model):
+            raise ValueError(f"quantization: {model_path} is quantized already; set quantization = 'none'")
+        quantize_linears(model, QUANTIZATION_KINDS[config.quantization])
     if is_quantized(model):  # block-quantized weights: their own kernel (or its torch reference)
         set_activation_bits(model, 16 if config.quant_activations == "int16" else 8)
         if config.cpu_kernels:

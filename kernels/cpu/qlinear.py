@@ -65,6 +65,24 @@ class PackedQWeight:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.c) if t is not None)
 
+    def dequantize(self) -> torch.Tensor:
+        """The weight's values [N, K] float32 (d q + c; for Q4_0 within an ulp of d (q - 8))."""
+        rows, cols = self.shape
+        groups, nb = self.qs.shape[0], cols // BLOCK
+        if self.kind == "q8_0":
+            q = self.qs.view(torch.int8).view(groups, nb, 8, LANES, 4).permute(0, 3, 1, 2, 4).float()
+        else:
+            nibbles = self.qs.view(groups, nb, 4, LANES, 4).to(torch.int32)
+            halves = torch.stack([nibbles & 0xF, nibbles >> 4], dim=4)  # [G, b, q, lane, h, i]
+            q = halves.permute(0, 3, 1, 2, 4, 5).float()
+        q = q.reshape(groups * LANES, nb, BLOCK)
+
+        def scales(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(0, 2, 1).reshape(groups * LANES, nb, 1)
+
+        values = scales(self.d) * q + (0.0 if self.c is None else scales(self.c))
+        return values.reshape(groups * LANES, cols)[:rows]
+
 
 def pack(weight: QuantizedWeight) -> PackedQWeight:
     """Interleave ``weight``'s rows by eight (the last group padded with zero rows); values unchanged."""

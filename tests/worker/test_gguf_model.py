@@ -15,11 +15,23 @@ from transformers import AutoTokenizer
 from kernels.quant_format import UnsupportedQuantError
 from tests.worker.test_gguf_convert import make_tiny_tokenizer, tiny_model, write_llama_gguf
 from tests.worker.test_models_tiny import PagedSequences
+from wire.sampling import SamplingParams
+from worker.config import EngineConfig
 from worker.cpu_isa import probe
+from worker.engine import Engine
+from worker.model_runner import ModelRunner
+from worker.models.cpu_decode import CpuDecodeStep
 from worker.models.gguf_convert import convert_gguf_to_hf
 from worker.models.gguf_model import is_gguf_folder
 from worker.models.loader import load_model
-from worker.models.quant import QuantEmbedding, QuantLinear, use_quant_kernels
+from worker.models.quant import (
+    QUANTIZATION_KINDS,
+    QuantEmbedding,
+    QuantLinear,
+    quant_isa,
+    quantize_linears,
+    use_quant_kernels,
+)
 from worker.models.store import resolve_model
 
 pytestmark = pytest.mark.isa  # the kernel's build follows the CPU probe: run on both paths
@@ -118,3 +130,61 @@ def test_a_moved_file_is_named(tmp_path: Path, cache: Path) -> None:
     path.rename(tmp_path / "elsewhere.gguf")
     with pytest.raises(FileNotFoundError, match="gone or has changed"):
         load_model(folder, torch.float32)
+
+
+def greedy(engine: Engine, prompts: list[list[int]], batched: bool) -> list[list[int]]:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    if batched:
+        return [c.token_ids for c in engine.generate(prompts, params)]
+    return [engine.generate([p], params)[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("bits", ["int16", "int8"])
+def test_engine_greedy_output_does_not_depend_on_batching_or_the_prefix_cache(
+    bits: str, tmp_path: Path, cache: Path
+) -> None:
+    """A GGUF model through the real engine (fused decode layer where the CPU runs it): the same
+    tokens one request at a time and batched, with the prefix cache warm or off."""
+    path = write_quantized(tmp_path / "tiny.gguf", "q4_1")
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, 300, (20,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 300, (n,), generator=gen).tolist() for n in (3, 9, 1, 14)]
+    engine = Engine.from_config(EngineConfig(model=str(path), quant_activations=bits, num_kv_blocks=64))
+    assert engine.model_config.vocab_size > 300
+    runner = engine.runner
+    if quant_isa(probe()) is not None:  # the decode steps run the fused quantized layer
+        assert isinstance(runner, ModelRunner) and isinstance(runner.decode_step, CpuDecodeStep)
+    alone = greedy(engine, prompts, batched=False)
+    assert greedy(engine, prompts, batched=True) == alone  # batched, and the shared prefix cached now
+    cold = Engine.from_config(
+        EngineConfig(model=str(path), quant_activations=bits, num_kv_blocks=64, enable_prefix_caching=False)
+    )
+    assert greedy(cold, prompts, batched=True) == alone
+
+
+@pytest.mark.parametrize(("quantization", "kind"), [("int8", "q8_0"), ("int4", "q4_1")])
+def test_a_float_checkpoint_quantized_at_load_tracks_it(
+    quantization: str, kind: str, tmp_path: Path, cache: Path
+) -> None:
+    tokenizer = make_tiny_tokenizer()
+    write_llama_gguf(tmp_path / "f.gguf", tiny_model(tokenizer.get_vocab_size(), is_tied=True), tokenizer)
+    convert_gguf_to_hf(tmp_path / "f.gguf", tmp_path / "float", progress=lambda _: None)
+    reference, _ = load_model(tmp_path / "float", torch.float32)
+    model, _ = load_model(tmp_path / "float", torch.float32)
+    assert quantize_linears(model, QUANTIZATION_KINDS[quantization]) == 2 * 4 + 1  # + the tied logits
+    assert {m.kind for m in model.modules() if isinstance(m, QuantLinear)} == {kind, "q8_0"}  # 8-bit logits
+    use_quant_kernels(model, probe(), cache / ".kernels")
+    tokens = {"A": list(range(5, 17)), "B": list(range(40, 50))}
+    for got, want in zip(logits_of(model, tokens), logits_of(reference, tokens), strict=True):
+        error = float((got - want).norm() / want.norm())
+        assert 0 < error < (0.02 if quantization == "int8" else 0.2), error
+
+
+def test_quantization_settings_are_checked(tmp_path: Path, cache: Path) -> None:
+    with pytest.raises(ValueError, match="quantization: expected one of"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="quant_activations: expected one of"):
+        EngineConfig(quant_activations="int4")
+    path = write_quantized(tmp_path / "tiny.gguf", "q8_0")
+    with pytest.raises(ValueError, match="quantized already"):
+        Engine.from_config(EngineConfig(model=str(path), quantization="int8", num_kv_blocks=16))

@@ -1,0 +1,174 @@
+"""``tierserve bench quant``: what quantization does to the embedded model, measured on a fixed text.
+
+    tierserve bench quant --json [--record]
+
+The reference is the embedded model's float32 folder (``models pull``: the GGUF's Q4_1 weights
+dequantized exactly), so ``q4_1_native`` (the GGUF served from its own blocks) differs from it only
+by the kernel's arithmetic: x quantized per block of 32 to int16 (the default) or int8
+(``q4_1_native_int8``, llama.cpp's). ``int8``, ``int4`` (a pool's ``quantization``: Q8_0 and Q4_1
+blocks) and ``q4_0`` quantize the float model on the fly; its weights being the dequantized Q4_1
+ones, ``int4`` finds much of their grid again (a float checkpoint would lose more), ``q4_0`` does
+not. For each, over the text shipped with the bench (``loadtest/data/quant_text.txt``), teacher-forced:
+
+  top1_agreement   positions whose most likely next token is the reference's
+  ppl_ratio        perplexity of the text ÷ the reference's
+
+and per layer, on the same text, the relative error of each quantized linear's output against the
+float product of its exact weight (``layers``: the five worst of each format, and the mean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionMetadata, allocate_kv_cache
+from worker.cpu_isa import probe
+from worker.models.llama import LlamaForCausalLM
+from worker.models.loader import load_model
+from worker.models.quant import (
+    QUANTIZATION_KINDS,
+    QuantLinear,
+    quantize_linears,
+    set_activation_bits,
+    use_quant_kernels,
+)
+from worker.models.store import DEFAULT_MODEL, default_gguf, kernel_cache_dir, resolve_model
+
+TEXT = Path(__file__).parent / "data" / "quant_text.txt"
+BLOCK_SIZE = 16
+WORST_LAYERS = 5
+
+
+def progress(message: str) -> None:
+    print(f"[bench quant] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tierserve bench quant", description=__doc__)
+    parser.add_argument("--max-tokens", type=int, default=1024, help="of the text, teacher-forced")
+    return parser.parse_args(argv)
+
+
+def prefill_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """Every position's next-token logits [T, V] (float32), one prefill over a fresh paged cache."""
+    cfg = model.config
+    num_blocks = -(-len(ids) // BLOCK_SIZE)
+    caches = allocate_kv_cache(
+        cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu"
+    )
+    meta = AttentionMetadata.build(
+        slot_mapping=torch.arange(len(ids)),
+        query_start_loc=[0, len(ids)],
+        seq_lens=[len(ids)],
+        block_tables=torch.arange(num_blocks)[None],
+        num_decodes=0,
+        block_size=BLOCK_SIZE,
+        sliding_window=cfg.sliding_window,
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
+        return model.compute_logits(hidden).float()
+
+
+def compare(logits: torch.Tensor, reference: torch.Tensor, ids: list[int]) -> dict[str, float]:
+    targets = torch.tensor(ids[1:])[:, None]
+
+    def perplexity(x: torch.Tensor) -> float:
+        return float(torch.log_softmax(x[:-1], -1).gather(1, targets).mean().neg().exp())
+
+    agreement = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+    ppl, ppl_ref = perplexity(logits), perplexity(reference)
+    return {"top1_agreement": round(agreement, 4), "ppl_ratio": round(ppl / ppl_ref, 4), "ppl": round(ppl, 3)}
+
+
+@contextmanager
+def layer_errors(model: nn.Module, exact_weights: dict[str, torch.Tensor]) -> Iterator[dict[str, float]]:
+    """While open, each QuantLinear's output is compared with the float product of its exact weight
+    (relative L2 error, the largest over calls): {module name: error}."""
+    errors: dict[str, float] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+
+            def hook(
+                mod: nn.Module, args: tuple[torch.Tensor], out: torch.Tensor, *, name: str = name
+            ) -> None:
+                bias = mod.bias if isinstance(mod.bias, torch.Tensor) else None
+                exact = F.linear(args[0].float(), exact_weights[name], bias)
+                error = float((out.float() - exact).norm() / exact.norm().clamp_min(1e-30))
+                errors[name] = max(errors.get(name, 0.0), error)
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        yield errors
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+Variant = tuple[LlamaForCausalLM, dict[str, torch.Tensor]]  # the model, each linear's exact weight
+
+
+def variants(folder: Path, gguf_folder: Path) -> dict[str, Callable[[], Variant]]:
+    """Each format's model, built when called (one in memory at a time), kernels bound, with the
+    weights its layers are measured against: the dequantized blocks (native: only the arithmetic
+    differs) or the float model's own (on the fly: the weights' quantization too)."""
+
+    def native(bits: int) -> Variant:
+        model, _ = load_model(gguf_folder, torch.float32)
+        set_activation_bits(model, bits)
+        exact = {n: m.dequantized() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+        use_quant_kernels(model, probe(), kernel_cache_dir())
+        return model, exact
+
+    def on_the_fly(kind: str) -> Variant:
+        model, _ = load_model(folder, torch.float32)
+        exact = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        if model.lm_head is None:  # tied: quantize_linears gives the logits a quantized copy
+            exact["lm_head"] = model.embed_tokens.weight.detach().clone()
+        quantize_linears(model, kind)
+        use_quant_kernels(model, probe(), kernel_cache_dir())
+        return model, exact
+
+    return {
+        "q4_1_native": lambda: native(16),
+        "q4_1_native_int8": lambda: native(8),
+        "int8": lambda: on_the_fly(QUANTIZATION_KINDS["int8"]),
+        "int4": lambda: on_the_fly(QUANTIZATION_KINDS["int4"]),
+        "q4_0": lambda: on_the_fly("q4_0"),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    folder = resolve_model(DEFAULT_MODEL)
+    gguf_folder = resolve_model(str(default_gguf(progress)))
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(folder).encode(TEXT.read_text())[: args.max_tokens]
+    progress(f"{len(ids)} tokens of {TEXT.name}; reference: {folder} in float32")
+    reference_model, _ = load_model(folder, torch.float32)
+    reference = prefill_logits(reference_model, ids)
+    del reference_model
+    figures: dict[str, object] = {"scenario": "quant", "model": DEFAULT_MODEL, "tokens": len(ids)}
+    layers: dict[str, dict[str, float]] = {}
+    for name, build in variants(folder, gguf_folder).items():
+        model, exact = build()
+        with layer_errors(model, exact) as errors:
+            logits = prefill_logits(model, ids)
+        figures[name] = compare(logits, reference, ids)
+        worst = sorted(errors.items(), key=lambda kv: -kv[1])[:WORST_LAYERS]
+        layers[name] = {"mean": round(sum(errors.values()) / len(errors), 6)}
+        layers[name] |= {layer: round(error, 6) for layer, error in worst}
+        progress(f"{name}: {figures[name]}, layer error mean {layers[name]['mean']}")
+        del model, exact
+    figures["layers"] = layers
+    figures["reference_ppl"] = compare(reference, reference, ids)["ppl"]
+    return figures
