@@ -76,6 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="only start each and ask for 8 tokens")
     parser.add_argument("--timeout", type=float, default=600.0, help="client timeout per request, s")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tierserve-path", default="default", help="tierserve's pool path (a folder or a .gguf file)"
+    )
     return parser.parse_args(argv)
 
 
@@ -133,7 +136,7 @@ class _Bench:
 
     def launch(self, name: str) -> Launch:
         if name == OURS:
-            return tierserve_launch(self.precision, self.workdir)
+            return tierserve_launch(self.precision, self.workdir, self.args.tierserve_path)
         from worker.models import store  # lazy: imports torch
 
         if name == "vllm":
@@ -281,6 +284,7 @@ def figures(
         "scenario": "peers" if precision is Precision.BEST else "peers-fp32",  # --record's block
         "model": MODEL,
         "precision": precision.value,
+        "tierserve_path": args.tierserve_path,  # its pool's path: "default", or a GGUF served natively
         "cpu": machine(),
         "workload": (
             f"streamed chat, greedy, ignore_eos, {args.output_tokens} output tokens each; single: "

@@ -9,6 +9,7 @@ way out, whatever happened, terminates then kills the whole group (``launch.stop
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -62,12 +63,13 @@ def vllm_dtype(precision: Precision) -> str:
     return "bfloat16" if caps.native_bf16 else "float32"
 
 
-def tierserve_launch(precision: Precision, workdir: Path) -> Launch:
-    """``tierserve serve`` with one pool of the embedded model: dtype auto (best) or float32."""
+def tierserve_launch(precision: Precision, workdir: Path, path: str = "default") -> Launch:
+    """``tierserve serve`` with one pool of ``path`` (the embedded model unless told): dtype auto (best)
+    or float32."""
     dtype = "float32" if precision is Precision.FP32 else "auto"
     config = workdir / "tierserve.toml"
     config.write_text(
-        f'[[models.pools]]\nname = "{MODEL}"\npath = "default"\ndtype = "{dtype}"\n'
+        f'[[models.pools]]\nname = "{MODEL}"\npath = {json.dumps(path)}\ndtype = "{dtype}"\n'
         f"kv_cache_gb = {KV_CACHE_GB}\n"
     )
     port = free_port()
