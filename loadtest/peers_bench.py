@@ -276,12 +276,18 @@ def server_figures(result: ServerResult) -> dict[str, object]:
     return out
 
 
+def scenario_name(precision: Precision, tierserve_path: str) -> str:
+    """The docs block a run records into: peers, peers-fp32, and -gguf when tierserve serves a GGUF."""
+    name = "peers" if precision is Precision.BEST else "peers-fp32"
+    return f"{name}-gguf" if tierserve_path.endswith(".gguf") else name
+
+
 def figures(
     args: argparse.Namespace, results: Mapping[str, ServerResult], rate: float | None
 ) -> dict[str, object]:
     precision = Precision(args.precision)
     out: dict[str, object] = {
-        "scenario": "peers" if precision is Precision.BEST else "peers-fp32",  # --record's block
+        "scenario": scenario_name(precision, args.tierserve_path),  # --record's block
         "model": MODEL,
         "precision": precision.value,
         "tierserve_path": args.tierserve_path,  # its pool's path: "default", or a GGUF served natively

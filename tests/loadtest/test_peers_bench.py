@@ -12,6 +12,7 @@ from loadtest.peers_bench import (
     mixed_rate,
     parse_args,
     ratio,
+    scenario_name,
     server_figures,
 )
 from loadtest.peers_install import VLLM_SKIPPED, runtime_requirements
@@ -92,6 +93,13 @@ def test_a_failed_peer_has_null_figures_and_ratios_and_the_rest_stand() -> None:
     assert out["single_ratio_vs_llamacpp"] == pytest.approx(0.5, abs=0.01)
     assert out["scenario"] == "peers-fp32"
     assert mixed_rate([vllm], 2.0) is None
+
+
+def test_a_gguf_run_records_into_its_own_block() -> None:
+    args = parse_args(["--tierserve-path", "/models/x.Q4_1.gguf"])
+    assert figures(args, {}, None)["scenario"] == "peers-gguf"
+    assert figures(args, {}, None)["tierserve_path"] == "/models/x.Q4_1.gguf"
+    assert scenario_name(Precision.FP32, "default") == "peers-fp32"
 
 
 def test_a_phase_with_a_failed_request_is_no_comparison() -> None:
