@@ -204,6 +204,16 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     assert "LlamaForCausalLM" in str(info.value)  # the message lists what is supported
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_gptq_or_awq_checkpoint_is_refused_by_its_method(method: str, tmp_path: Path) -> None:
+    _save_hf("llama-gqa-untied", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModelError, match=f"quantization_config '{method}'.*GGUF"):
+        load_model(tmp_path, torch.float32)
+
+
 def test_missing_and_unexpected_weights_are_named(tmp_path: Path) -> None:
     _save_hf("llama-gqa-untied", tmp_path)
     file = tmp_path / "model.safetensors"

@@ -89,6 +89,13 @@ def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    quantized = raw.get("quantization_config")
+    if quantized:  # its weights are qweight/qzeros/scales: refused by name, not as missing tensors
+        method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else "unknown"
+        raise UnsupportedModelError(
+            f"quantization_config {method!r}: GPTQ / AWQ checkpoints are not served yet; serve a float "
+            "checkpoint (with quantization = 'int8' or 'int4') or a GGUF file (Q8_0, Q4_0, Q4_1)"
+        )
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
