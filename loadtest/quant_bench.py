@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionMetadata, allocate_kv_cache
 from worker.cpu_isa import probe
 from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_model
@@ -40,10 +37,10 @@ from worker.models.quant import (
     set_activation_bits,
     use_quant_kernels,
 )
+from worker.models.quant_check import layer_errors, prefill_logits
 from worker.models.store import DEFAULT_MODEL, default_gguf, kernel_cache_dir, resolve_model
 
 TEXT = Path(__file__).parent / "data" / "quant_text.txt"
-BLOCK_SIZE = 16
 WORST_LAYERS = 5
 
 
@@ -57,27 +54,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def prefill_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
-    """Every position's next-token logits [T, V] (float32), one prefill over a fresh paged cache."""
-    cfg = model.config
-    num_blocks = -(-len(ids) // BLOCK_SIZE)
-    caches = allocate_kv_cache(
-        cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu"
-    )
-    meta = AttentionMetadata.build(
-        slot_mapping=torch.arange(len(ids)),
-        query_start_loc=[0, len(ids)],
-        seq_lens=[len(ids)],
-        block_tables=torch.arange(num_blocks)[None],
-        num_decodes=0,
-        block_size=BLOCK_SIZE,
-        sliding_window=cfg.sliding_window,
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
-        return model.compute_logits(hidden).float()
-
-
 def compare(logits: torch.Tensor, reference: torch.Tensor, ids: list[int]) -> dict[str, float]:
     targets = torch.tensor(ids[1:])[:, None]
 
@@ -87,31 +63,6 @@ def compare(logits: torch.Tensor, reference: torch.Tensor, ids: list[int]) -> di
     agreement = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
     ppl, ppl_ref = perplexity(logits), perplexity(reference)
     return {"top1_agreement": round(agreement, 4), "ppl_ratio": round(ppl / ppl_ref, 4), "ppl": round(ppl, 3)}
-
-
-@contextmanager
-def layer_errors(model: nn.Module, exact_weights: dict[str, torch.Tensor]) -> Iterator[dict[str, float]]:
-    """While open, each QuantLinear's output is compared with the float product of its exact weight
-    (relative L2 error, the largest over calls): {module name: error}."""
-    errors: dict[str, float] = {}
-    handles = []
-    for name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
-
-            def hook(
-                mod: nn.Module, args: tuple[torch.Tensor], out: torch.Tensor, *, name: str = name
-            ) -> None:
-                bias = mod.bias if isinstance(mod.bias, torch.Tensor) else None
-                exact = F.linear(args[0].float(), exact_weights[name], bias)
-                error = float((out.float() - exact).norm() / exact.norm().clamp_min(1e-30))
-                errors[name] = max(errors.get(name, 0.0), error)
-
-            handles.append(module.register_forward_hook(hook))
-    try:
-        yield errors
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 Variant = tuple[LlamaForCausalLM, dict[str, torch.Tensor]]  # the model, each linear's exact weight

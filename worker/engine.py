@@ -21,9 +21,11 @@ from wire.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
 from worker.kv_cache import KVCacheManager
-from worker.model_runner import StepRunner, build_model_runner
+from worker.model_runner import ModelRunner, StepRunner, build_model_runner
 from worker.models.config import ModelConfig
 from worker.models.gguf_model import is_gguf_folder
+from worker.models.quant import is_quantized
+from worker.models.quant_check import CALIBRATION_TEXT, check_at_load
 from worker.models.store import resolve_model
 from worker.outputs import Completion, RequestOutput
 from worker.policy_set import WorkerPolicies
@@ -73,6 +75,8 @@ class Engine:
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | _tokenizer_eos(tokenizer)
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
+        # Each quantized linear's output error against its exact weight, measured at load (quant_check)
+        self.quant_layer_errors: dict[str, float] = {}
         # Told what each step did, for traces (worker/tracing.py); the null one does nothing at all.
         self.observer: NullObserver = NULL_OBSERVER
 
@@ -91,7 +95,11 @@ class Engine:
         config = resolve_dtype(config)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         runner, model_config, num_blocks = build_model_runner(config, model_path)
-        return cls(config, tokenizer, runner, model_config, num_blocks, policies)
+        engine = cls(config, tokenizer, runner, model_config, num_blocks, policies)
+        if isinstance(runner, ModelRunner) and is_quantized(runner.model):
+            ids = tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
+            engine.quant_layer_errors = check_at_load(runner.model, ids)
+        return engine
 
     # ---- requests in -------------------------------------------------------------------------
 

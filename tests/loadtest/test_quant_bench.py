@@ -1,4 +1,5 @@
-"""bench quant's measures: agreement and perplexity arithmetic, per-layer errors on a tiny model."""
+"""bench quant's measures: agreement and perplexity arithmetic; per-layer errors (quant_check) on a
+tiny model."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from loadtest.quant_bench import TEXT, compare, layer_errors, parse_args, prefill_logits
+from loadtest.quant_bench import TEXT, compare, parse_args
 from tests.worker.test_models_tiny import _save_hf
 from worker.models.loader import load_model
 from worker.models.quant import QuantLinear, quantize_linears
+from worker.models.quant_check import layer_errors, prefill_logits
 
 
 def test_compare_counts_agreement_and_divides_perplexities() -> None:

@@ -151,6 +151,8 @@ def test_engine_greedy_output_does_not_depend_on_batching_or_the_prefix_cache(
     prompts = [shared + torch.randint(3, 300, (n,), generator=gen).tolist() for n in (3, 9, 1, 14)]
     engine = Engine.from_config(EngineConfig(model=str(path), quant_activations=bits, num_kv_blocks=64))
     assert engine.model_config.vocab_size > 300
+    errors = engine.quant_layer_errors  # measured at load on the calibration text
+    assert len(errors) == 2 * 4 + 1 and 0 < max(errors.values()) < (1e-3 if bits == "int16" else 0.05)
     runner = engine.runner
     if quant_isa(probe()) is not None:  # the decode steps run the fused quantized layer
         assert isinstance(runner, ModelRunner) and isinstance(runner.decode_step, CpuDecodeStep)
