@@ -20,6 +20,8 @@ Read at scrape (from admission, the dispatcher and the workers' last heartbeats)
     tierserve_prefix_index_blocks{worker,model}, tierserve_prefix_index_resyncs_total (routing's index)
     tierserve_wire_frames_dropped_total{reason}, tierserve_workers_lost_total,
     tierserve_migrations_total{model}
+From each worker's Register:
+    tierserve_quant_layer_error{worker,model,layer}   a quantized linear's output error, measured at load
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ OTLP: dict[str, Instrument] = {
     ),
     "tierserve_workers_lost_total": Instrument("tierserve.workers_lost", "{worker}", C),
     "tierserve_migrations_total": Instrument("tierserve.migrations", "{request}", C, (MODEL,)),
+    "tierserve_quant_layer_error": Instrument(
+        "tierserve.quant.layer_error", "{error}", G, (*WM, attr.QUANT_LAYER)
+    ),
 }
 
 
@@ -177,12 +182,17 @@ class GatewayMetrics:
         self.migrations = r.counter(
             "tierserve_migrations_total", "Requests moved to another worker after losing theirs.", ("model",)
         )
+        self.quant_layer_error = r.gauge(
+            "tierserve_quant_layer_error",
+            "A quantized linear's output error against its exact weight (relative L2), measured at load.",
+            ("worker", "model", "layer"),
+        )
 
     def watch(self, dispatcher: Dispatcher, admissions: AdmissionBook) -> None:
         """Refresh the scrape-time figures from ``dispatcher`` and ``admissions`` on every render."""
         per_worker = (self.worker_running, self.worker_waiting, self.worker_used_blocks,
                       self.worker_free_blocks, self.worker_total_blocks, self.worker_step_time,
-                      self.worker_hit_ratio, self.index_blocks)  # fmt: skip
+                      self.worker_hit_ratio, self.index_blocks, self.quant_layer_error)  # fmt: skip
 
         def collect() -> None:
             self.queue_length.clear()
@@ -206,6 +216,9 @@ class GatewayMetrics:
                     )
                 key = (worker.worker_id, worker.model)
                 self.index_resyncs.set_total(*key, total=worker.prefix.num_resyncs)
+                if worker.state is not WorkerState.DEAD:
+                    for layer, error in worker.register.quant_layer_errors.items():
+                        self.quant_layer_error.set(*key, layer, value=error)
                 stats = worker.stats
                 if stats is None or worker.state is WorkerState.DEAD:
                     continue

@@ -44,6 +44,7 @@ TIER = "tierserve.tier"
 CONTEXT_CLASS = "tierserve.context_class"
 TENANT = "tierserve.tenant"
 WORKER = "tierserve.worker"
+QUANT_LAYER = "tierserve.quant.layer"  # on tierserve.quant.layer_error: the module, e.g. layers.3.qkv_proj
 CACHED_TOKENS = "tierserve.cached_tokens"
 DEGRADED = "tierserve.degraded"
 MIGRATIONS = "tierserve.migrations"

@@ -32,6 +32,7 @@ MAX_PROMPT_TOKENS = 1 << 20
 MAX_DELTA_TOKENS = 4096  # tokens one request gains in one step (speculative decoding stays far below)
 MAX_DELTA_TEXT_CHARS = 1 << 20
 MAX_DELTAS_PER_BATCH = 4096  # an engine with more running requests splits its TokenBatch
+MAX_QUANT_LAYERS = 4096  # quantized linears a Register reports errors for
 MAX_KV_HASHES = 1 << 18  # block hashes in one KVEvents/KVSnapshot (16 bytes each: 4 MiB)
 MAX_TRACE_ENTRIES = 8
 MAX_TRACE_VALUE_CHARS = 1024  # W3C tracestate is at most 32 members of ~256 chars; 512 in practice
@@ -69,6 +70,9 @@ class Register(_Message, tag="register", frozen=True, kw_only=True):
     vocab_size: int | None = None
     # The gateway's context classes (gateway.context_classes) it takes; empty: every class.
     context_classes: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
+    # A quantized model's linears: each one's output error against its exact weight, measured at load
+    # (worker/models/quant_check.py); empty for a float model.
+    quant_layer_errors: Annotated[dict[Name, float], msgspec.Meta(max_length=MAX_QUANT_LAYERS)] = {}
     pid: int
 
 

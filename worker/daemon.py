@@ -398,6 +398,7 @@ class WorkerDaemon:
             max_num_seqs=config.max_num_seqs,
             vocab_size=engine.model_config.vocab_size,
             context_classes=self.context_classes,
+            quant_layer_errors=dict(engine.quant_layer_errors),
             pid=os.getpid(),
         )
 

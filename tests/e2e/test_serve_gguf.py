@@ -100,3 +100,17 @@ def test_concurrent_streams_each_get_what_they_get_alone(base_url: str) -> None:
             return list(await asyncio.gather(*(stream(c, q) for q in QUESTIONS)))
 
     assert asyncio.run(together()) == alone
+
+
+def test_the_layer_errors_measured_at_load_are_exported(base_url: str) -> None:
+    from loadtest.failover_bench import metric, scrape
+
+    text = scrape(base_url)
+    layers = {
+        line.split('layer="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith("tierserve_quant_layer_error{")
+    }
+    assert len(layers) == 30 * 4 + 1 and "lm_head" in layers  # SmolLM2: 30 layers' four linears, the logits
+    error = metric(text, "tierserve_quant_layer_error", layer="layers.12.qkv_proj")
+    assert 0 < error < 1e-3  # x in int16 blocks: the arithmetic is all that differs from the weights
