@@ -61,26 +61,33 @@ static inline int32_t hsum8i(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
+/* One block of 32 floats at p: d = amax / qmax, q[i] = round-half-even(x * (1 / d)) as int32 (8 a
+ * vector); returns the int32 partial sums of q (for s = d * sum(q)). */
+static inline __m256i block_quants(const float *p, float qmax, __m256i q[4], float *d_out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(p + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    float d = _mm_cvtss_f32(m) / qmax;
+    float id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    *d_out = d;
+    return _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+}
+
 /* One row of x in int8: per block, d = amax / 127, q = round-half-even(x * (1 / d)), s = d * sum(q). */
 static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, float *sx) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < K / QK; b++) {
-        const float *p = x + b * QK;
-        __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(p + 8 * i);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-        }
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        float d = _mm_cvtss_f32(m) / 127.0f;
-        float id = d > 0.0f ? 1.0f / d : 0.0f;
         __m256i q[4];
-        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
-        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        float d;
+        const __m256i sum = block_quants(x + b * QK, 127.0f, q, &d);
         /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order */
         __m256i q01 = _mm256_packs_epi32(q[0], q[1]), q23 = _mm256_packs_epi32(q[2], q[3]);
         __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q01, q23), order);
@@ -232,23 +239,10 @@ static void weight_tile(int kind, int bits, const void *qx, const float *dx, con
 /* One row of x in int16: per block, d = amax / 32767, q = round-half-even(x * (1 / d)), s = d * sum(q);
  * each 4 elements [a b c d] stored as [a c b d], the pairs block_sums reads in a 32-bit lane. */
 static void quantize_row16(const float *x, int64_t K, int16_t *qx, float *dx, float *sx) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / QK; b++) {
-        const float *p = x + b * QK;
-        __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(p + 8 * i);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-        }
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        float d = _mm_cvtss_f32(m) / 32767.0f;
-        float id = d > 0.0f ? 1.0f / d : 0.0f;
         __m256i q[4];
-        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
-        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        float d;
+        const __m256i sum = block_quants(x + b * QK, 32767.0f, q, &d);
         for (int h = 0; h < 2; h++) {
             /* packs interleaves 128-bit lanes; the permute restores order, the shuffles make [a c b d] */
             __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8);
