@@ -3,9 +3,10 @@ that binds them to the C kernel (``kernels/cpu/qlinear.c``).
 
 A quantized model is built with :class:`QuantLinear` and :class:`QuantEmbedding` in place of the float
 modules (``gguf_model.py`` does it from a GGUF file); until :func:`use_quant_kernels` runs, a layer
-computes the kernel's arithmetic in torch (``qlinear_reference``: x quantized to int8 per block of 32,
-integer block sums), so a machine without a C compiler or AVX2 gets the same numbers, slowly. The
-transform packs each weight into the kernel's interleaved layout and drops the unpacked copy.
+computes the kernel's arithmetic in torch (``qlinear_reference``: x quantized per block of 32 to
+int16, or int8 under ``quant_activations = "int8"``; integer block sums), so a machine without a C
+compiler or AVX2 gets the same numbers, slowly. The transform packs each weight into the kernel's
+interleaved layout and drops the unpacked copy.
 """
 
 from __future__ import annotations
