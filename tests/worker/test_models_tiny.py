@@ -204,14 +204,27 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     assert "LlamaForCausalLM" in str(info.value)  # the message lists what is supported
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_a_gptq_or_awq_checkpoint_is_refused_by_its_method(method: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["bitsandbytes", "fp8"])
+def test_an_unsupported_quantization_method_is_refused_by_name(method: str, tmp_path: Path) -> None:
     _save_hf("llama-gqa-untied", tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+    raw["quantization_config"] = {"quant_method": method, "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(UnsupportedModelError, match=f"quantization_config '{method}'.*GGUF"):
+    with pytest.raises(
+        UnsupportedModelError, match=f"quantization_config.quant_method = '{method}'.*gptq, awq"
+    ):
         load_model(tmp_path, torch.float32)
+
+
+def test_a_gptq_config_over_float_weights_names_the_packed_tensors(tmp_path: Path) -> None:
+    """GPTQ / AWQ are served (tests/worker/test_hf_quant.py); float weights under one are a mismatch."""
+    _save_hf("llama-gqa-untied", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(WeightMismatchError, match=r"model\.layers\.0\.self_attn\.q_proj\.qweight") as info:
+        load_model(tmp_path, torch.float32)
+    assert "model.layers.0.self_attn.q_proj.weight" in str(info.value)  # unexpected
 
 
 def test_missing_and_unexpected_weights_are_named(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """ModelConfig: the typed subset of a Hugging Face ``config.json`` the Llama-family model needs.
 
 Reads both config styles: transformers < 5 (``rope_theta`` + ``rope_scaling``) and transformers 5
-(``rope_parameters: {"rope_type": ..., "rope_theta": ..., <scaling keys>}``).
+(``rope_parameters: {"rope_type": ..., "rope_theta": ..., <scaling keys>}``). A ``quantization_config``
+becomes a :class:`QuantConfig` (4-bit GPTQ or AWQ "gemm", served by ``hf_quant.py``); any other is
+refused here, naming the key.
 """
 
 from __future__ import annotations
@@ -18,6 +20,27 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 
 class UnsupportedModelError(ValueError):
     """The checkpoint asks for something this model code does not implement."""
+
+
+class WeightMismatchError(ValueError):
+    """The checkpoint's tensors do not match what the config describes (missing, unexpected, shape)."""
+
+
+QUANT_METHODS = ("gptq", "awq")
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point minus one, v2 the zero point itself
+AWQ_VERSIONS = ("gemm",)
+
+
+@dataclass(slots=True, frozen=True)
+class QuantConfig:
+    """A GPTQ / AWQ checkpoint's ``quantization_config``, validated: 4-bit groups along K."""
+
+    method: str  # "gptq" | "awq"
+    bits: int
+    group_size: int | None  # None: one group per row (GPTQ's -1)
+    sym: bool
+    desc_act: bool  # GPTQ act-order: served only where g_idx keeps the natural order (checked at load)
+    checkpoint_format: str  # gptq: "gptq" (v1) | "gptq_v2"; awq: its version, "gemm"
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,6 +65,7 @@ class ModelConfig:
     o_proj_bias: bool = False  # Llama's attention_bias also puts a bias on o_proj (Qwen2's does not)
     mlp_bias: bool = False
     sliding_window: int | None = None  # Mistral: keys older than this many positions are not attended
+    quantization: QuantConfig | None = None  # GPTQ / AWQ projections; None: float weights
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -64,6 +88,49 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling.pop("type", None)
     scaling["rope_type"] = rope_type
     return theta, scaling
+
+
+def _quantization(raw: Any) -> QuantConfig | None:
+    if not raw:
+        return None
+    if not isinstance(raw, dict):
+        raise UnsupportedModelError(f"quantization_config: expected an object, got {raw!r}")
+
+    def refuse(key: str, why: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"quantization_config.{key} = {raw.get(key)!r}: {why}")
+
+    method = str(raw.get("quant_method", "")).lower()
+    if method not in QUANT_METHODS:
+        raise refuse(
+            "quant_method",
+            f"served are {', '.join(QUANT_METHODS)} (4-bit); else serve a float checkpoint (with "
+            "quantization = 'int8' or 'int4') or a GGUF file (Q8_0, Q4_0, Q4_1)",
+        )
+    bits_key = "bits" if "bits" in raw or "w_bit" not in raw else "w_bit"  # AutoAWQ's own names
+    if raw.get(bits_key) != 4:
+        raise refuse(bits_key, f"only 4-bit {method} weights are served")
+    group_key = "group_size" if "group_size" in raw or "q_group_size" not in raw else "q_group_size"
+    group_size = raw.get(group_key)
+    if not isinstance(group_size, int) or not (group_size == -1 or (group_size > 0 and group_size % 32 == 0)):
+        raise refuse(group_key, "expected -1 (one group per row) or a multiple of 32")
+    if method == "gptq":
+        format_key = "checkpoint_format" if "checkpoint_format" in raw or "format" not in raw else "format"
+        checkpoint_format = str(raw.get(format_key) or "gptq").lower()
+        if checkpoint_format not in GPTQ_FORMATS:
+            raise refuse(format_key, f"served are {', '.join(GPTQ_FORMATS)}")
+        if raw.get("lm_head"):
+            raise refuse("lm_head", "a quantized lm_head is not served")
+        sym, desc_act = bool(raw.get("sym", True)), bool(raw.get("desc_act", False))
+    else:
+        checkpoint_format = str(raw.get("version") or "gemm").lower()
+        if checkpoint_format not in AWQ_VERSIONS:
+            raise refuse("version", f"served is AWQ {', '.join(AWQ_VERSIONS)}")
+        if raw.get("zero_point", True) is not True:
+            raise refuse("zero_point", "AWQ without zero points is not served")
+        sym, desc_act = False, False
+    if str(raw.get("pack_dtype", "int32")) != "int32":
+        raise refuse("pack_dtype", "only int32 packing is served")
+    return QuantConfig(method, 4, None if group_size == -1 else group_size, sym, desc_act, checkpoint_format)
 
 
 def _sliding_window(raw: dict[str, Any], architecture: str) -> int | None:
@@ -89,13 +156,7 @@ def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    quantized = raw.get("quantization_config")
-    if quantized:  # its weights are qweight/qzeros/scales: refused by name, not as missing tensors
-        method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else "unknown"
-        raise UnsupportedModelError(
-            f"quantization_config {method!r}: GPTQ / AWQ checkpoints are not served yet; serve a float "
-            "checkpoint (with quantization = 'int8' or 'int4') or a GGUF file (Q8_0, Q4_0, Q4_1)"
-        )
+    quantization = _quantization(raw.get("quantization_config"))  # refused by name, not as tensors
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
@@ -135,6 +196,7 @@ def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         o_proj_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         sliding_window=_sliding_window(raw, architecture),
+        quantization=quantization,
     )
 
 

@@ -9,7 +9,9 @@ HF names map onto ours by dropping the ``model.`` prefix and fusing projections:
     model.{embed_tokens,norm}.weight, lm_head.weight     -> same without "model."
 
 The model is built on the meta device and its parameters are assigned the loaded tensors, so no
-memory is spent on (or time spent in) random initialisation that would be overwritten.
+memory is spent on (or time spent in) random initialisation that would be overwritten. A GPTQ / AWQ
+checkpoint (``quantization_config``) has its four projections per layer built by ``hf_quant.py`` from
+the same names' ``qweight`` / ``qzeros`` / ``scales``; everything else comes through this path.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import torch
 from safetensors import safe_open
 
 from worker.attention import AttentionBackend, TorchPagedAttention
-from worker.models.config import ModelConfig, load_model_config
+from worker.models.config import ModelConfig, WeightMismatchError, load_model_config
 from worker.models.gguf_model import is_gguf_folder, load_gguf_model
+from worker.models.hf_quant import install_quant_projections
 from worker.models.llama import LlamaForCausalLM
 
 # Buffers some older checkpoints saved that carry no information we need.
@@ -34,6 +37,7 @@ _FUSED: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _SINGLE = {
     "o_proj": "self_attn.o_proj",
     "down_proj": "mlp.down_proj",
@@ -41,9 +45,7 @@ _SINGLE = {
     "post_attention_layernorm": "post_attention_layernorm",
 }
 
-
-class WeightMismatchError(ValueError):
-    """The checkpoint's tensors do not match what the config describes (missing, unexpected, shape)."""
+__all__ = ["WeightMismatchError", "load_model"]  # the error is config.py's, raised from here too
 
 
 def _sources(name: str) -> list[str]:
@@ -55,6 +57,15 @@ def _sources(name: str) -> list[str]:
     if module in _FUSED:
         return [f"{prefix}.{part}.{kind}" for part in _FUSED[module]]
     return [f"{prefix}.{_SINGLE[module]}.{kind}"]
+
+
+def _projection_sources(num_layers: int) -> dict[str, list[str]]:
+    """Our projection modules -> the HF module prefixes whose rows they stack."""
+    return {
+        f"layers.{i}.{module}": [s.removesuffix(".weight") for s in _sources(f"layers.{i}.{module}.weight")]
+        for i in range(num_layers)
+        for module in _PROJECTIONS
+    }
 
 
 def load_model(
@@ -86,11 +97,18 @@ def load_model(
             config = dataclasses.replace(config, tie_word_embeddings=True)
         with torch.device("meta"):
             model = LlamaForCausalLM(config, attention or TorchPagedAttention())
-        state = model.state_dict()
         used: set[str] = set()
         missing: list[str] = []
+        quantized: dict[str, list[str]] = {}
+        if config.quantization is not None:  # the projections from GPTQ / AWQ tensors, as q4_1 blocks
+            quantized = _projection_sources(config.num_layers)
+            used, missing = install_quant_projections(model, config.quantization, quantized, handles, device)
+        state = model.state_dict()
         loaded: dict[str, torch.Tensor] = {}
         for name, meta_param in state.items():
+            if name.rpartition(".")[0] in quantized:  # built above (its bias with it), or missing
+                loaded[name] = meta_param
+                continue
             sources = _sources(name)
             missing += [s for s in sources if s not in handles]
             if any(s not in handles for s in sources):
