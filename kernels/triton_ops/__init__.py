@@ -16,6 +16,7 @@ from kernels.triton_ops.decode_attention import paged_decode_attention  # noqa: 
 from kernels.triton_ops.kv_store import store_kv  # noqa: E402
 from kernels.triton_ops.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kernels.triton_ops.prefill_attention import paged_prefill_attention  # noqa: E402
+from kernels.triton_ops.quant_linear import qlinear  # noqa: E402
 from kernels.triton_ops.rotary import apply_rotary, rotate  # noqa: E402
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "fused_add_rms_norm",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "qlinear",
     "rms_norm",
     "rotate",
     "silu_and_mul",

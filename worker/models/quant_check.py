@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionMetadata, allocate_kv_cache
-from worker.models.llama import LlamaForCausalLM
+from worker.attention import AttentionMetadata, KernelBackend, TritonPagedAttention, allocate_kv_cache
+from worker.models.llama import DecoderLayer, LlamaForCausalLM
 from worker.models.quant import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -33,22 +34,26 @@ CALIBRATION_TEXT = (
 def prefill_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     """Every position's next-token logits [T, V] (float32), one prefill over a fresh paged cache."""
     cfg = model.config
-    dtype = next(model.parameters()).dtype
+    weight = next(model.parameters())
+    dtype, device = weight.dtype, weight.device
     num_blocks = -(-len(ids) // BLOCK_SIZE)
     caches = allocate_kv_cache(
-        cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu"
+        cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, device
     )
+    triton = isinstance(cast(DecoderLayer, model.layers[0]).attention, TritonPagedAttention)
     meta = AttentionMetadata.build(
-        slot_mapping=torch.arange(len(ids)),
+        slot_mapping=torch.arange(len(ids), device=device),
         query_start_loc=[0, len(ids)],
         seq_lens=[len(ids)],
-        block_tables=torch.arange(num_blocks)[None],
+        block_tables=torch.arange(num_blocks, device=device)[None],
         num_decodes=0,
         block_size=BLOCK_SIZE,
         sliding_window=cfg.sliding_window,
+        backend=KernelBackend.TRITON if triton else KernelBackend.TORCH,
     )
     with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
+        positions = torch.arange(len(ids), device=device)
+        hidden = model(torch.tensor(ids, device=device), positions, caches, meta)
         return model.compute_logits(hidden).float()
 
 
@@ -70,7 +75,7 @@ def layer_errors(
                 assert isinstance(mod, QuantLinear)
                 weight = mod.dequantized() if exact_weights is None else exact_weights[name]
                 bias = mod.bias if isinstance(mod.bias, torch.Tensor) else None
-                exact = F.linear(args[0].float(), weight, bias)
+                exact = F.linear(args[0].float(), weight.to(args[0].device), bias)
                 error = float((out.float() - exact).norm() / exact.norm().clamp_min(1e-30))
                 errors[name] = max(errors.get(name, 0.0), error)
 
