@@ -61,6 +61,7 @@ def pool_args(pool: ModelPool) -> list[str]:
     the last)."""
     classes = ["--context-classes", ",".join(pool.context_classes)] if pool.context_classes else []
     limit = ["--max-model-len", str(pool.max_context)] if pool.max_context is not None else []
+    kept = ["--keep-full-precision", ",".join(pool.keep_full_precision)] if pool.keep_full_precision else []
     return [
         "--dtype", pool.dtype,
         "--kv-cache-gb", str(pool.kv_cache_gb),
@@ -70,6 +71,7 @@ def pool_args(pool: ModelPool) -> list[str]:
         "--quantization", pool.quantization,
         *classes,
         *limit,
+        *kept,
     ]  # fmt: skip
 
 

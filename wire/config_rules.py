@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from wire.config_load import ConfigError
 from wire.curve import CurveKeyError, load_authorized_keys, load_key_pair
+from wire.full_precision import check_entries
 from wire.tier import Tier
 
 if TYPE_CHECKING:
@@ -206,6 +207,10 @@ def _validate_pools(config: ServerConfig, fail: Fail) -> None:
                 f"duplicate pool name {pool.name!r} (also models.pools[{names[pool.name]}])",
             )
         names[pool.name] = i
+        try:
+            check_entries(pool.keep_full_precision)
+        except ValueError as exc:
+            raise fail(f"models.pools[{i}].keep_full_precision", str(exc)) from None
         for band in pool.context_classes:
             if band not in class_names:
                 known = sorted(class_names)

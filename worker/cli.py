@@ -54,6 +54,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="quantize a float checkpoint's linears at load: int8 (Q8_0 blocks) or int4 (Q4_1 groups of 32)",
     )
     parser.add_argument(
+        "--keep-full-precision",
+        default="",
+        help="modules of a quantized model kept in float, comma-separated: attention, mlp, lm_head, a "
+        "projection (qkv_proj, o_proj, gate_up_proj, down_proj), layers.N or layers.N.<projection>",
+    )
+    parser.add_argument(
         "--quant-activations",
         choices=("int16", "int8"),  # worker.config.QUANT_ACTIVATIONS (not imported here: torch)
         default="int16",
@@ -177,6 +183,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         cpu_kernels=not args.no_cpu_kernels,
         quant_activations=args.quant_activations,
         quantization=args.quantization,
+        keep_full_precision=tuple(e.strip() for e in args.keep_full_precision.split(",") if e.strip()),
     )
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from wire.full_precision import check_entries
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # "auto": chosen by the device and the CPU probe (worker/precision.py) when the engine is built.
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -33,6 +35,8 @@ class EngineConfig:
     cpu_kernels: bool = True  # our C kernels where the CPU probe allows (models/cpu_linear.py, cpu_decode.py)
     quant_activations: str = "int16"  # block-quantized linears: x in int16 or int8 blocks (models/quant.py)
     quantization: str = "none"  # a float checkpoint's linears quantized at load (models/quant.py)
+    # modules of a quantized model kept in float (wire/full_precision.py), e.g. ("attention", "lm_head")
+    keep_full_precision: tuple[str, ...] = ()
     cuda_graphs: bool = (
         False  # decode-only steps replay CUDA graphs (batch-size buckets); needs CUDA + Triton
     )
@@ -48,6 +52,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: expected one of {QUANTIZATIONS}, got {self.quantization!r}")
+        try:
+            self.keep_full_precision = check_entries(self.keep_full_precision)
+        except ValueError as exc:
+            raise ValueError(f"keep_full_precision: {exc}") from None
         if self.quant_activations not in QUANT_ACTIVATIONS:
             raise ValueError(
                 f"quant_activations: expected one of {QUANT_ACTIVATIONS}, got {self.quant_activations!r}"

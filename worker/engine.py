@@ -24,6 +24,7 @@ from worker.kv_cache import KVCacheManager
 from worker.model_runner import ModelRunner, StepRunner, build_model_runner
 from worker.models.config import ModelConfig
 from worker.models.gguf_model import is_gguf_folder
+from worker.models.hf_quant import is_hf_quantized_folder
 from worker.models.quant import is_quantized
 from worker.models.quant_check import CALIBRATION_TEXT, check_at_load
 from worker.models.store import resolve_model
@@ -88,8 +89,11 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model_path = resolve_model(config.model)
-        if (is_gguf_folder(model_path) or config.quantization != "none") and config.dtype == "auto":
-            # quantized linears compute in float32, and the fused decode layer takes a float32 cache
+        is_quantized_folder = is_gguf_folder(model_path) or is_hf_quantized_folder(model_path)
+        quantized = is_quantized_folder or config.quantization != "none"
+        if quantized and config.dtype == "auto" and config.device == "cpu":
+            # quantized linears compute in float32 on CPU, and the fused decode layer takes a float32
+            # cache (the Triton kernel on a GPU takes x in the model's dtype)
             log.info("dtype: float32 (quantized linears compute in float32)")
             config = dataclasses.replace(config, dtype="float32")
         config = resolve_dtype(config)

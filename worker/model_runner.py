@@ -46,10 +46,13 @@ from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_model
 from worker.models.quant import (
     QUANTIZATION_KINDS,
+    check_keep_matches,
     is_quantized,
+    keep_full_precision,
     quantize_linears,
     set_activation_bits,
     use_quant_kernels,
+    use_triton_quant_kernels,
 )
 from worker.models.store import kernel_cache_dir
 from worker.request import Request
@@ -285,27 +288,47 @@ def resolve_kernel_backend(config: EngineConfig, device: torch.device) -> Kernel
     return KernelBackend.TRITON
 
 
+def apply_quantization(model: LlamaForCausalLM, config: EngineConfig, model_path: Path) -> None:
+    """The pool's ``quantization`` (a float checkpoint quantized on the fly) and its
+    ``keep_full_precision`` (the modules left, or made, float)."""
+    keep = config.keep_full_precision
+    check_keep_matches(model, keep)
+    if config.quantization != "none":
+        if is_quantized(model):
+            raise ValueError(f"quantization: {model_path} is quantized already; set quantization = 'none'")
+        quantize_linears(model, QUANTIZATION_KINDS[config.quantization], keep)
+    elif keep:
+        if not is_quantized(model):
+            raise ValueError(
+                f"keep_full_precision: {model_path} is not quantized (set quantization = 'int8' or 'int4', "
+                "or serve a GGUF / GPTQ / AWQ checkpoint)"
+            )
+        keep_full_precision(model, keep, config.torch_dtype)
+
+
 def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRunner, ModelConfig, int]:
     """Load the model, size and allocate its KV cache: (runner, model config, number of KV blocks)."""
     device = torch.device(config.device)
     backend = resolve_kernel_backend(config, device)
     attention = make_attention_backend(backend)
     model, model_config = load_model(model_path, config.torch_dtype, device, attention)
+    apply_quantization(model, config, model_path)
     if backend is KernelBackend.TRITON:
         from kernels.triton_ops.layer_ops import TritonLayerOps
 
         model.use_kernels(TritonLayerOps(), attention)
+        use_triton_quant_kernels(model)
     caps = probe() if device.type == "cpu" and backend is KernelBackend.TORCH else None
-    if config.quantization != "none":
-        if is_quantized(model):
-            raise ValueError(f"quantization: {model_path} is quantized already; set quantization = 'none'")
-        quantize_linears(model, QUANTIZATION_KINDS[config.quantization])
-    if is_quantized(model):  # block-quantized weights: their own kernel (or its torch reference)
+    quantized = is_quantized(model)
+    if quantized and backend is KernelBackend.TORCH:  # block-quantized weights: their own kernel
         set_activation_bits(model, 16 if config.quant_activations == "int16" else 8)
         if config.cpu_kernels:
             use_quant_kernels(model, caps, kernel_cache_dir())
-    # Our C kernels first; a bf16 model they do not take (no AVX512-BF16) gets oneDNN's packing.
-    elif not (config.cpu_kernels and use_decode_linears(model, caps, kernel_cache_dir())):
+    # Float linears (all, or those kept in full precision): our C kernels first; a bf16 model they do
+    # not take (no AVX512-BF16) gets oneDNN's packing.
+    has_float = model.lm_head is None or any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    bound = has_float and config.cpu_kernels and use_decode_linears(model, caps, kernel_cache_dir())
+    if has_float and not bound and not quantized:
         pack_linears_if_supported(model, caps)
     mc = model_config
     bytes_per_block = kv_cache_bytes_per_block(

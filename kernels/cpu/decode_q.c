@@ -8,7 +8,7 @@
 #include "qlinear.c"
 
 typedef struct {
-    int64_t kind; /* 0 Q8_0, 1 Q4 (Q4_0 and Q4_1: c holds their offset term) */
+    int64_t kind; /* 0 bytes (Q8_0; q8_c with c), 1 Q4 (Q4_0 and Q4_1: c holds their offset term) */
     int64_t bits; /* x's blocks: 8 or 16 (qlinear.c) */
     const uint8_t *qs;
     const float *d, *c;

@@ -9,7 +9,8 @@
  *     y[m, n] = sum_b  dw[n, b] * dx[m, b] * sum_k qw[n, b, k] * qx[m, b, k]     (integer sums)
  *             + sum_b  cw[n, b] * sx[m, b]                                          (Q4 offset term)
  *
- * Q4_1 (w = d q + m): cw = m.  Q4_0 (w = d (q - 8)): cw = -8 d.  Q8_0 (w = d q): no cw.
+ * Q4_1 (w = d q + m): cw = m.  Q4_0 (w = d (q - 8)): cw = -8 d.  Q8_0 (w = d q): no cw (NULL).
+ * q8_c (int8 quants with an offset, w = d q + c; kernels/quant_format.py): Q8's bytes, and cw = c.
  *
  * Layout: eight weight rows interleaved (repacked at load, values unchanged: worker/models/quant.py,
  * kernels/quant_format.py), so that each 32-bit lane of a 256-bit vector is one output row:
@@ -178,6 +179,7 @@ static inline __attribute__((always_inline)) void tile(int kind, int bits, int g
     /* Few tiles in flight (one row of x): alternate vectors go to two chains of integer sums, added
      * at the block's end (exact), so that the dot instructions' latency overlaps. */
     const int split = gr * mr < 4;
+    const int has_c = kind == KIND_Q4 || cw != 0; /* Q4 always; bytes with an offset: q8_c */
     for (int64_t b = 0; b < nb; b++) {
         __m256i isum[GR][MR], isum2[GR][MR];
         for (int g = 0; g < gr; g++)
@@ -185,12 +187,12 @@ static inline __attribute__((always_inline)) void tile(int kind, int bits, int g
         block_sums(kind, bits, gr, mr, split, qx, m0, K, qs, g0, b, isum, isum2);
         for (int g = 0; g < gr; g++) {
             __m256 d = _mm256_loadu_ps(dw + ((g0 + g) * nb + b) * LANES);
-            __m256 c = kind == KIND_Q4 ? _mm256_loadu_ps(cw + ((g0 + g) * nb + b) * LANES) : d;
+            __m256 c = has_c ? _mm256_loadu_ps(cw + ((g0 + g) * nb + b) * LANES) : d;
             for (int j = 0; j < mr; j++) {
                 if (split) isum[g][j] = _mm256_add_epi32(isum[g][j], isum2[g][j]);
                 __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[(m0 + j) * nb + b]));
                 acc[g][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[g][j]), scale, acc[g][j]);
-                if (kind == KIND_Q4) acc[g][j] = _mm256_fmadd_ps(c, _mm256_set1_ps(sx[(m0 + j) * nb + b]), acc[g][j]);
+                if (has_c) acc[g][j] = _mm256_fmadd_ps(c, _mm256_set1_ps(sx[(m0 + j) * nb + b]), acc[g][j]);
             }
         }
     }
@@ -265,7 +267,8 @@ void QNAME(quantize_rows)(int64_t bits, const float *x, int64_t M, int64_t K, vo
     }
 }
 
-/* y = x @ w^T + bias from x's blocks (quantize_rows). kind: 0 Q8_0, 1 Q4 (cw: Q4_0 / Q4_1).
+/* y = x @ w^T + bias from x's blocks (quantize_rows). kind: 0 bytes (cw NULL: Q8_0, else q8_c), 1 Q4
+ * (cw: Q4_0 / Q4_1).
  * The weight holds ceil(N / 8) groups (the last padded). */
 void QNAME(qlinear_blocks)(int64_t kind, int64_t bits, const void *qx, const float *dx, const float *sx,
                            int64_t M, int64_t K, const uint8_t *qs, const float *dw, const float *cw,

@@ -13,14 +13,15 @@ from typing import Any
 import torch
 
 from kernels.cpu.build import load_library
-from kernels.quant_format import BLOCK, QuantizedWeight
+from kernels.quant_format import BLOCK, BYTE_KINDS, QuantizedWeight
 
 LANES = 8  # weight rows interleaved per group: one 32-bit lane each
 
 SOURCE = Path(__file__).parent / "qlinear.c"
 ISAS = ("avx512_vnni", "avx2")
 ACTIVATION_BITS = (8, 16)
-KIND_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 1}  # qlinear.c's kind: Q4_0 and Q4_1 differ only in c
+# qlinear.c's kind: 0 a byte a quant, 1 nibbles; Q4_0 / Q4_1 (and Q8_0 / q8_c) differ only in c
+KIND_CODES = {"q8_0": 0, "q8_c": 0, "q4_0": 1, "q4_1": 1}
 
 
 class QLinearKernel:
@@ -69,7 +70,7 @@ class PackedQWeight:
         """The weight's values [N, K] float32 (d q + c; for Q4_0 within an ulp of d (q - 8))."""
         rows, cols = self.shape
         groups, nb = self.qs.shape[0], cols // BLOCK
-        if self.kind == "q8_0":
+        if self.kind in BYTE_KINDS:
             q = self.qs.view(torch.int8).view(groups, nb, 8, LANES, 4).permute(0, 3, 1, 2, 4).float()
         else:
             nibbles = self.qs.view(groups, nb, 4, LANES, 4).to(torch.int32)
@@ -92,7 +93,7 @@ def pack(weight: QuantizedWeight) -> PackedQWeight:
     groups, nb = -(-rows // LANES), cols // BLOCK
     pad = groups * LANES - rows
     q = torch.nn.functional.pad(weight.quants(), (0, 0, 0, pad))
-    if weight.kind == "q8_0":
+    if weight.kind in BYTE_KINDS:
         # [G, lane, b, q, i] -> [G, b, q, lane, i]: vector q of a block holds elements 4q + i
         lanes = q.to(torch.int8).view(groups, LANES, nb, 8, 4).permute(0, 2, 3, 1, 4)
         qs = lanes.contiguous().view(torch.uint8).reshape(groups, -1)

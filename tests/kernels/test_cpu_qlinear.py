@@ -1,4 +1,4 @@
-"""qlinear.c: block-quantized weights (Q8_0 / Q4_0 / Q4_1) against the torch spec, on both builds.
+"""qlinear.c: block-quantized weights (Q8_0 / Q4_0 / Q4_1 / q8_c) against the torch spec, on both builds.
 
 The spec (``kernels.quant_format.qlinear_reference``) quantizes x to int8 (as llama.cpp does) or int16
 per block and sums the blocks in integers; the kernel must agree to float rounding, whatever the
@@ -17,7 +17,8 @@ from gguf.quants import dequantize, quantize
 
 from kernels.cpu.build import KernelBuildError
 from kernels.cpu.qlinear import ACTIVATION_BITS, ISAS, QLinearKernel, load_qlinear_kernel
-from kernels.quant_format import KINDS, QuantizedWeight, UnsupportedQuantError, qlinear_reference
+from kernels.gguf_types import from_gguf
+from kernels.quant_format import GGUF_KINDS, KINDS, QuantizedWeight, UnsupportedQuantError, qlinear_reference
 from worker.cpu_isa import probe
 from worker.models.quant import quant_isa
 
@@ -39,7 +40,15 @@ def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         pytest.skip(f"no C compiler: {exc}")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+def quantized(weight: torch.Tensor, kind: str) -> QuantizedWeight:
+    """``weight`` in ``kind``; q8_c (which has no quantizer of its own) from a Q5_1 file's blocks."""
+    if kind != "q8_c":
+        return QuantizedWeight.quantize(weight, kind)
+    raw = quantize(weight.numpy(), GGMLQuantizationType.Q5_1)
+    return from_gguf("Q5_1", raw, tuple(weight.shape)).weight  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", GGUF_KINDS)
 def test_dequantized_values_equal_llama_cpps(kind: str) -> None:
     weight = torch.randn(24, 96, generator=torch.Generator().manual_seed(0))
     qtype = GGMLQuantizationType[kind.upper()]
@@ -54,7 +63,7 @@ def test_kernel_matches_the_spec(
     kernel: QLinearKernel, kind: str, bits: int, rows: int, num_out: int, num_in: int
 ) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + num_out)
-    weight = QuantizedWeight.quantize(torch.randn(num_out, num_in, generator=gen), kind)
+    weight = quantized(torch.randn(num_out, num_in, generator=gen), kind)
     x = torch.randn(rows, num_in, generator=gen) * 3
     x[0, 0] = 40.0  # an outlier, as real activations have: its block's scale is large
     bias = torch.randn(num_out, generator=gen)
@@ -70,7 +79,7 @@ def test_kernel_matches_the_spec(
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_row_does_not_depend_on_its_batch(kernel: QLinearKernel, kind: str, bits: int) -> None:
     gen = torch.Generator().manual_seed(7)
-    bound = kernel.bind(QuantizedWeight.quantize(torch.randn(72, 128, generator=gen), kind), None, bits)
+    bound = kernel.bind(quantized(torch.randn(72, 128, generator=gen), kind), None, bits)
     x = torch.randn(37, 128, generator=gen)
     batched = bound(x)
     for row in (0, 1, 2, 5, 36):
@@ -95,9 +104,18 @@ def test_formats_refuse_what_they_cannot_hold() -> None:
         QuantizedWeight.quantize(torch.randn(4, 48), "q4_0")
     with pytest.raises(UnsupportedQuantError, match="q5_0"):
         QuantizedWeight.from_gguf_blocks("q5_0", np.zeros((4, 22), dtype=np.uint8), (4, 32))
-    a, b = (QuantizedWeight.quantize(torch.randn(4, 32), k) for k in ("q4_0", "q8_0"))
-    with pytest.raises(UnsupportedQuantError, match="mixes"):
-        QuantizedWeight.cat([a, b])
+    with pytest.raises(UnsupportedQuantError, match="no reference quantizer"):
+        QuantizedWeight.quantize(torch.randn(4, 32), "q8_c")
+
+
+def test_a_fused_projection_of_mixed_kinds_is_widened_exactly() -> None:
+    gen = torch.Generator().manual_seed(5)
+    parts = [quantized(torch.randn(8 + i, 64, generator=gen), k) for i, k in enumerate(KINDS)]
+    fused = QuantizedWeight.cat(parts)
+    assert fused.kind == "q8_c" and fused.shape == (sum(p.shape[0] for p in parts), 64)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    same = QuantizedWeight.cat(parts[2:3] * 2)  # one kind: stacked as it is
+    assert same.kind == parts[2].kind
 
 
 def test_the_probe_picks_a_build_this_cpu_runs() -> None:

@@ -191,6 +191,11 @@ BAD_FILES = [
         "only primary pools may share",
     ),
     ("[[models.pools]]\nname = 'm'\nnum_workers = 0\n", "models.pools[0].num_workers", ">= 1, got 0"),
+    (
+        "[[models.pools]]\nname = 'm'\nquantization = 'int4'\nkeep_full_precision = ['attention', 'attn']\n",
+        "models.pools[0].keep_full_precision",
+        "unknown module 'attn': expected 'attention', 'mlp', 'lm_head'",
+    ),
     ("[[models.pools]]\nname = 'm'\ndtype = 'int3'\n", "models.pools[0].dtype", "invalid value 'int3'"),
     ("[policies]\nrouting = { nam = 'x' }\n", "policies.routing.nam", "unknown key (known: name, params)"),
     ("[policies]\nrouting = 3\n", "policies.routing", "expected a table, got 3"),
@@ -353,6 +358,18 @@ def test_context_classes_classify_by_prompt_tokens(tmp_path: Path) -> None:
                     "[[gateway.context_classes]]\nname = 'big'\nmax_prompt_tokens = 20\n")  # fmt: skip
     bounded = load_config(path, env={}).gateway
     assert [bounded.context_class(n) for n in (10, 11, 21)] == ["small", "big", "big"]
+
+
+def test_keep_full_precision_names_groups_projections_and_paths() -> None:
+    from wire.full_precision import check_entries, keeps
+
+    entries = check_entries(["attention", "lm_head", "layers.0", "layers.3.down_proj"])
+    names = ["lm_head", "layers.1.qkv_proj", "layers.1.o_proj", "layers.1.gate_up_proj"]
+    names += ["layers.0.gate_up_proj", "layers.3.down_proj", "layers.30.down_proj", "layers.13.down_proj"]
+    kept = [m for m in names if keeps(entries, m)]
+    assert kept == names[:3] + names[4:6]
+    assert keeps(("mlp",), "layers.7.down_proj") and not keeps(("mlp",), "lm_head")
+    assert keeps(("down_proj",), "layers.2.down_proj") and not keeps((), "lm_head")
 
 
 def test_pools_of_one_model_may_split_it_by_context_class(tmp_path: Path) -> None:

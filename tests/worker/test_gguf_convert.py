@@ -83,12 +83,14 @@ def make_tiny_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def tiny_model(vocab_size: int, *, is_tied: bool) -> LlamaForCausalLM:
+def tiny_model(
+    vocab_size: int, *, is_tied: bool, hidden_size: int = 64, intermediate_size: int = 128
+) -> LlamaForCausalLM:
     torch.manual_seed(0 if is_tied else 1)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=NUM_HEADS,
         num_key_value_heads=NUM_KV_HEADS,
@@ -114,9 +116,11 @@ def write_llama_gguf(
     *,
     quantize: frozenset[str] | Mapping[str, gguf.GGMLQuantizationType] = frozenset(),
     architecture: str = "llama",
+    raw: Mapping[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
 ) -> None:
     """Write `model` the way llama.cpp's convert_hf_to_gguf.py does; names in `quantize` go as Q8_0
-    (a set) or as the type it maps them to."""
+    (a set) or as the type it maps them to; names in `raw` are written as the given blocks instead
+    (types the gguf package cannot quantize: the k-quants)."""
     q8_0 = gguf.GGMLQuantizationType.Q8_0
     types = quantize if isinstance(quantize, Mapping) else dict.fromkeys(quantize, q8_0)
     config = model.config
@@ -155,7 +159,10 @@ def write_llama_gguf(
         elif hf_name.endswith("k_proj.weight"):
             data = llama_cpp_permute(data, NUM_KV_HEADS)
         name = llama_cpp_name(hf_name)
-        if name in types:
+        if raw is not None and name in raw:
+            blocks, qtype = raw[name]
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
+        elif name in types:
             qtype = types[name]
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:

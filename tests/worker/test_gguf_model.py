@@ -8,18 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from kernels.quant_format import UnsupportedQuantError
+from tests.kernels.test_gguf_types import random_blocks
 from tests.worker.test_gguf_convert import make_tiny_tokenizer, tiny_model, write_llama_gguf
 from tests.worker.test_models_tiny import PagedSequences
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.cpu_isa import probe
 from worker.engine import Engine
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelRunner, apply_quantization
 from worker.models.cpu_decode import CpuDecodeStep
 from worker.models.gguf_convert import convert_gguf_to_hf
 from worker.models.gguf_model import is_gguf_folder
@@ -117,11 +119,54 @@ def test_untied_output_is_loaded_as_its_own_linear(tmp_path: Path, cache: Path) 
 
 def test_unsupported_type_is_refused_naming_tensor_and_type(tmp_path: Path, cache: Path) -> None:
     tokenizer = make_tiny_tokenizer()
-    types = {"blk.1.ffn_up.weight": Q.Q5_0}
-    write_llama_gguf(tmp_path / "q5.gguf", tiny_model(tokenizer.get_vocab_size(), is_tied=True), tokenizer,
+    types = {"blk.1.ffn_up.weight": Q.MXFP4}
+    write_llama_gguf(tmp_path / "fp4.gguf", tiny_model(tokenizer.get_vocab_size(), is_tied=True), tokenizer,
                      quantize=types)  # fmt: skip
-    with pytest.raises(UnsupportedQuantError, match=r"'blk\.1\.ffn_up\.weight' is Q5_0"):
-        load_model(resolve_model(str(tmp_path / "q5.gguf")), torch.float32)
+    with pytest.raises(UnsupportedQuantError, match=r"'blk\.1\.ffn_up\.weight' is MXFP4: served are Q8_0"):
+        load_model(resolve_model(str(tmp_path / "fp4.gguf")), torch.float32)
+
+
+# A Q4_K_M file's mix, as llama.cpp's quantizer makes it: Q4_K, with Q6_K for v, ffn_down and the
+# embedding (half of the layers' v / down: here layer 1), and the odd Q5_0 / Q5_K / Q5_1 tensor.
+K_MIX = {
+    "attn_q": ("Q4_K", "Q4_K"), "attn_k": ("Q4_K", "Q5_0"), "attn_v": ("Q4_K", "Q6_K"),
+    "attn_output": ("Q4_K", "Q5_K"), "ffn_gate": ("Q4_K", "Q4_K"), "ffn_up": ("Q4_K", "Q5_1"),
+    "ffn_down": ("Q4_K", "Q6_K"),
+}  # fmt: skip
+
+
+def test_a_k_quant_mix_is_served_from_its_blocks(tmp_path: Path, cache: Path) -> None:
+    """Q4_K / Q5_K / Q5_0 / Q5_1 exactly, Q6_K requantized, mixed types in one fused projection:
+    the logits track the file dequantized by the gguf package (``models pull``)."""
+    tokenizer = make_tiny_tokenizer()
+    model = tiny_model(tokenizer.get_vocab_size(), is_tied=True, hidden_size=256, intermediate_size=512)
+    raw: dict[str, tuple[np.ndarray, Q]] = {}
+    for i in range(2):
+        for name, types in K_MIX.items():
+            rows, cols = (256, 512) if name == "ffn_down" else ((512 if name in ("ffn_gate", "ffn_up") else
+                          128 if name in ("attn_k", "attn_v") else 256), 256)  # fmt: skip
+            raw[f"blk.{i}.{name}.weight"] = (random_blocks(types[i], rows, cols, i, 0.0004), Q[types[i]])
+    raw["token_embd.weight"] = (random_blocks("Q6_K", model.config.vocab_size, 256, 9, 0.002), Q.Q6_K)
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_llama_gguf(path, model, tokenizer, raw=raw)
+    quantized, config = load_model(resolve_model(str(path)), torch.float32)
+    layer = quantized.layers[1]
+    assert {m.kind for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)} == {
+        "q8_c", "q8_0"}  # fmt: skip
+    assert quantized.layers[0].qkv_proj.kind == "q4_1"  # all Q4_K: nibbles kept
+
+    convert_gguf_to_hf(path, tmp_path / "float", progress=lambda _: None)
+    reference, _ = load_model(tmp_path / "float", torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    tokens = {"A": torch.randint(0, config.vocab_size, (12,), generator=gen).tolist(),
+              "B": torch.randint(0, config.vocab_size, (10,), generator=gen).tolist()}  # fmt: skip
+    use_quant_kernels(quantized, probe(), cache / ".kernels")
+    for got, want in zip(logits_of(quantized, tokens), logits_of(reference, tokens), strict=True):
+        error = float((got - want).norm() / want.norm())
+        assert 0 < error < 0.01, error  # x's int16 rounding and Q6_K's requantization
+    engine = Engine.from_config(EngineConfig(model=str(path), num_kv_blocks=32))  # the fused decode layer
+    prompts = [tokens["A"], tokens["B"], tokens["A"][:5]]
+    assert greedy(engine, prompts, batched=True) == greedy(engine, prompts, batched=False)
 
 
 def test_a_moved_file_is_named(tmp_path: Path, cache: Path) -> None:
@@ -190,3 +235,53 @@ def test_quantization_settings_are_checked(tmp_path: Path, cache: Path) -> None:
     path = write_quantized(tmp_path / "tiny.gguf", "q8_0")
     with pytest.raises(ValueError, match="quantized already"):
         Engine.from_config(EngineConfig(model=str(path), quantization="int8", num_kv_blocks=16))
+
+
+def test_mixed_precision_keeps_the_named_modules_float(tmp_path: Path, cache: Path) -> None:
+    """keep_full_precision: a GGUF file's attention and logits dequantized exactly into float linears,
+    a float checkpoint's mlp left unquantized; the engine serves both (without the fused layer)."""
+    path = write_quantized(tmp_path / "tiny.gguf", "q4_1")
+    convert_gguf_to_hf(path, tmp_path / "float", progress=lambda _: None)
+    reference, _ = load_model(tmp_path / "float", torch.float32)
+
+    model, _ = load_model(resolve_model(str(path)), torch.float32)
+    apply_quantization(
+        model, EngineConfig(dtype="float32", keep_full_precision=("attention", "lm_head")), path
+    )
+    for layer, want in zip(model.layers, reference.layers, strict=True):
+        assert type(layer.qkv_proj) is torch.nn.Linear and type(layer.o_proj) is torch.nn.Linear
+        assert torch.equal(layer.qkv_proj.weight, want.qkv_proj.weight)  # the file's values, exactly
+        assert isinstance(layer.gate_up_proj, QuantLinear) and isinstance(layer.down_proj, QuantLinear)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert torch.equal(model.lm_head.weight, reference.embed_tokens.weight)  # tied: the embedding's blocks
+
+    floating, _ = load_model(tmp_path / "float", torch.float32)
+    apply_quantization(
+        floating, EngineConfig(dtype="float32", quantization="int4", keep_full_precision=("mlp",)), path
+    )
+    for layer, want in zip(floating.layers, reference.layers, strict=True):
+        assert type(layer.down_proj) is torch.nn.Linear and torch.equal(
+            layer.down_proj.weight, want.down_proj.weight
+        )
+        assert isinstance(layer.qkv_proj, QuantLinear) and layer.qkv_proj.kind == "q4_1"
+    assert isinstance(floating.lm_head, QuantLinear)
+
+    config = EngineConfig(model=str(path), keep_full_precision=("attention",), num_kv_blocks=32)
+    engine = Engine.from_config(config)
+    assert isinstance(engine.runner, ModelRunner) and engine.runner.decode_step is None  # mixed layers
+    assert len(engine.quant_layer_errors) == 2 * 2 + 1  # the mlp projections and the logits
+    prompts = [list(range(5, 17)), list(range(40, 47))]
+    assert greedy(engine, prompts, batched=True) == greedy(engine, prompts, batched=False)
+
+
+def test_mixed_precision_settings_are_checked(tmp_path: Path, cache: Path) -> None:
+    with pytest.raises(ValueError, match="keep_full_precision: unknown module 'attn'"):
+        EngineConfig(keep_full_precision=("attn",))
+    path = write_quantized(tmp_path / "tiny.gguf", "q8_0")
+    with pytest.raises(ValueError, match=r"'layers\.5' is no module of this model \(2 layers\)"):
+        Engine.from_config(EngineConfig(model=str(path), keep_full_precision=("layers.5",), num_kv_blocks=16))
+    convert_gguf_to_hf(path, tmp_path / "float", progress=lambda _: None)
+    with pytest.raises(ValueError, match=r"keep_full_precision: .* is not quantized"):
+        Engine.from_config(
+            EngineConfig(model=str(tmp_path / "float"), keep_full_precision=("lm_head",), num_kv_blocks=16)
+        )

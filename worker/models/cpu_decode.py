@@ -174,6 +174,8 @@ def fused_isa(model: LlamaForCausalLM, caps: CpuCaps) -> tuple[str | None, str]:
             return None, f"block-quantized weights take a float32 model (norms, cache), not {weight.dtype}"
         if any(m.packed is None for m in linears):
             return None, "its quantized linears run the torch reference (no C kernel bound)"
+        if len(linears) < 4 * len(model.layers):
+            return None, "mixed precision: its layers keep float linears (keep_full_precision)"
         return quant_isa(caps), ""
     if weight.dtype == torch.bfloat16:
         if not caps.native_bf16:

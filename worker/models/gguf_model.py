@@ -1,4 +1,6 @@
-"""A llama GGUF file served as it is: its Q8_0 / Q4_0 / Q4_1 blocks kept, not dequantized.
+"""A llama GGUF file served from its blocks: Q8_0 / Q4_0 / Q4_1 as they are, Q4_K / Q5_0 / Q5_1 / Q5_K
+rewritten exactly into those kinds, Q6_K requantized to Q8_0 (``kernels/gguf_types.py``); none of it
+dequantized to float.
 
 A pool (or ``--model``) may name a ``.gguf`` file. :func:`prepare_gguf_folder` gives it a small folder
 under the model cache, once per file (keyed by its path, size and mtime): ``config.json``,
@@ -8,7 +10,9 @@ model folder (the tokenizer, the prompt builder, the worker's ``--model``) then 
 :func:`load_gguf_model` builds the model from the file: quantized linears as
 :class:`~worker.models.quant.QuantLinear` (q/k rows un-permuted as ``gguf_convert`` does, blocks
 whole), float tensors as they are, a quantized token embedding kept quantized (the tied lm_head reads
-the same blocks). Other quantization types (Q4_K, Q6_K, ...) are refused, naming the tensor and type.
+the same blocks). A fused projection whose parts differ in type (a Q4_K_M file's Q4_K q/k beside a
+Q6_K v) is widened to one 8-bit kind, values unchanged. Other types (Q2_K, Q3_K, IQ*, ...) are
+refused, naming the tensor and type.
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ import torch
 from gguf import GGUFReader
 from torch import nn
 
-from kernels.quant_format import KINDS, QuantizedWeight, UnsupportedQuantError
+from kernels.gguf_types import SERVED_TYPES, from_gguf
+from kernels.quant_format import QuantizedWeight, UnsupportedQuantError
 from worker.attention import AttentionBackend, TorchPagedAttention
 from worker.models.config import ModelConfig, load_model_config
 from worker.models.gguf_convert import read_llama_spec, unpermute_qk, write_folder
 from worker.models.llama import DecoderLayer, LlamaForCausalLM
-from worker.models.quant import QuantEmbedding, QuantLinear
+from worker.models.quant import QuantEmbedding, QuantLinear, move_quantized
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +80,8 @@ def load_gguf_model(
     device: torch.device | str = "cpu",
     attention: AttentionBackend | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The model of a prepared folder's GGUF, in eval mode; its linears run the kernels' torch
-    reference until ``use_quant_kernels`` binds the C kernel."""
-    if torch.device(device).type != "cpu":
-        raise UnsupportedQuantError(f"GGUF weights are served on CPU only for now, not on {device}")
+    """The model of a prepared folder's GGUF, in eval mode, on ``device``; its linears run the kernels'
+    torch reference until ``use_quant_kernels`` (CPU) or ``use_triton_quant_kernels`` binds a kernel."""
     pointer = json.loads((folder / POINTER).read_text())
     gguf_path = Path(pointer["gguf"])
     if not gguf_path.is_file() or _identity(gguf_path) != pointer:
@@ -106,7 +109,7 @@ def load_gguf_model(
         layer.post_attention_layernorm.weight = _parameter(tensors[f"{blk}.ffn_norm.weight"], dtype)
     model.norm.weight = _parameter(tensors["output_norm.weight"], dtype)
     embedding = tensors["token_embd.weight"]
-    if _kind(embedding) is None:
+    if _is_float(embedding):
         model.embed_tokens = nn.Embedding.from_pretrained(_float(embedding, dtype), freeze=True)
     else:
         quantized = _quantized(embedding, None)
@@ -116,6 +119,9 @@ def load_gguf_model(
             model.lm_head = QuantLinear(quantized, None)
     if "output.weight" in tensors:
         model.lm_head = _linear([(tensors["output.weight"], None)], dtype)
+    if torch.device(device).type != "cpu":  # built on the CPU (blocks read from the file), then moved
+        model.to(device)
+        move_quantized(model, device)
     model.build_rope_cache(device, dtype)
     model.eval().requires_grad_(False)
     log.info("%s: %s", gguf_path.name, describe(reader))
@@ -131,17 +137,17 @@ def describe(reader: GGUFReader) -> str:
     return ", ".join(f"{n} {t}" for t, n in sorted(counts.items(), key=lambda kv: -kv[1])) + " tensors"
 
 
-def _kind(tensor: Any) -> str | None:
-    """Our name for a quantized tensor's type, None for a float one; refuses the rest."""
+def _is_float(tensor: Any) -> bool:
+    """True for a float tensor, False for a quantized one the kernels serve; refuses the rest."""
     name = tensor.tensor_type.name
     if name in _FLOAT_TYPES:
-        return None
-    if name.lower() in KINDS:
-        return name.lower()
-    raise UnsupportedQuantError(
-        f"GGUF tensor {tensor.name!r} is {name}: served natively are {', '.join(k.upper() for k in KINDS)} "
-        "(and F32/F16/BF16); `tierserve models pull`-style conversion to a float folder serves any type"
-    )
+        return True
+    if name not in SERVED_TYPES:
+        raise UnsupportedQuantError(
+            f"GGUF tensor {tensor.name!r} is {name}: served are {', '.join(SERVED_TYPES)} (and "
+            "F32/F16/BF16); `tierserve models pull`-style conversion to a float folder serves any type"
+        )
+    return False
 
 
 def _shape(tensor: Any) -> tuple[int, int]:
@@ -153,9 +159,13 @@ def _quantized(tensor: Any, num_heads: int | None) -> QuantizedWeight:
     raw = np.asarray(tensor.data)
     if num_heads is not None:  # llama.cpp's q/k row order undone, whole rows of blocks at a time
         raw = unpermute_qk(raw, num_heads)
-    kind = _kind(tensor)
-    assert kind is not None
-    return QuantizedWeight.from_gguf_blocks(kind, raw, _shape(tensor))
+    type_name = tensor.tensor_type.name
+    _is_float(tensor)  # refuses a type not served, naming the tensor
+    converted = from_gguf(type_name, raw, _shape(tensor))
+    if converted.requantized:
+        log.info("%s: %s requantized to %s (finer blocks than it has)", tensor.name, type_name,
+                 converted.weight.kind.upper())  # fmt: skip
+    return converted.weight
 
 
 def _float(tensor: Any, dtype: torch.dtype, num_heads: int | None = None) -> torch.Tensor:
@@ -168,21 +178,21 @@ def _float(tensor: Any, dtype: torch.dtype, num_heads: int | None = None) -> tor
 
 
 def _parameter(tensor: Any, dtype: torch.dtype) -> nn.Parameter:
-    if _kind(tensor) is not None:
+    if not _is_float(tensor):
         raise UnsupportedQuantError(f"GGUF tensor {tensor.name!r}: a norm weight must be float")
     return nn.Parameter(_float(tensor, dtype), requires_grad=False)
 
 
 def _linear(parts: list[tuple[Any, int | None]], dtype: torch.dtype) -> nn.Module:
-    """One (fused) projection from GGUF tensors whose rows stack: quantized if they all are (of one
-    type), float if none is."""
-    kinds = {_kind(t) for t, _ in parts}
-    if kinds == {None}:
+    """One (fused) projection from GGUF tensors whose rows stack: quantized if they all are (of mixed
+    types: widened to one, ``QuantizedWeight.cat``), float if none is."""
+    floats = {_is_float(t) for t, _ in parts}
+    if floats == {True}:
         weight = torch.cat([_float(t, dtype, heads) for t, heads in parts])
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         linear.weight = nn.Parameter(weight, requires_grad=False)
         return linear
-    if None in kinds or len(kinds) > 1:
+    if len(floats) > 1:
         names = ", ".join(f"{t.name} ({t.tensor_type.name})" for t, _ in parts)
-        raise UnsupportedQuantError(f"a fused projection needs one tensor type, got {names}")
+        raise UnsupportedQuantError(f"a fused projection mixes float and quantized tensors: {names}")
     return QuantLinear(QuantizedWeight.cat([_quantized(t, heads) for t, heads in parts]), None)
