@@ -59,6 +59,15 @@ def test_example_file_loads_and_is_the_one_in_the_docs() -> None:
     assert EXAMPLE.read_text() in (ROOT / "docs" / "configuration.md").read_text()
 
 
+def test_the_quantized_primary_example_pairs_a_gguf_with_a_float_fallback() -> None:
+    config = load_config(EXAMPLE.with_name("quantized-primary.toml"), env={})
+    primary, fallback = config.models.pools
+    assert (primary.role, primary.path) == ("primary", "default-q4_1")
+    assert (fallback.role, fallback.path) == ("fallback", "default")
+    assert config.policies.degradation.name == "degrade-on-slo"
+    assert [t.name for t in config.tiers_by_urgency if t.degradable] == ["standard"]
+
+
 def test_env_overrides_ints_bools_floats_lists_and_nested_keys(tmp_path: Path) -> None:
     env = {
         "TIERSERVE_GATEWAY__PORT": "9100",
