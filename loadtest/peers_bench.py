@@ -50,7 +50,7 @@ from loadtest.record import machine
 from loadtest.records import RequestRecord
 from loadtest.runner import Bounds, run_load
 from loadtest.workloads import Api, Workload, WorkloadOptions
-from wire.config import ServerConfig
+from wire.config import DEFAULT_MODEL_PATH, ServerConfig
 from wire.tier import Tier
 
 OURS = "tierserve"
@@ -77,7 +77,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="client timeout per request, s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--tierserve-path", default="default", help="tierserve's pool path (a folder or a .gguf file)"
+        "--tierserve-path",
+        default=DEFAULT_MODEL_PATH,
+        help="tierserve's pool path: a folder, a .gguf file, 'default' (float weights); default: the pool's",
     )
     return parser.parse_args(argv)
 
@@ -277,9 +279,15 @@ def server_figures(result: ServerResult) -> dict[str, object]:
 
 
 def scenario_name(precision: Precision, tierserve_path: str) -> str:
-    """The docs block a run records into: peers, peers-fp32, and -gguf when tierserve serves a GGUF."""
+    """The docs block a run records into: peers (or peers-fp32) when tierserve serves its default
+    pool path, -float when it serves the float folder ("default"), -gguf another GGUF file, -folder
+    another folder."""
     name = "peers" if precision is Precision.BEST else "peers-fp32"
-    return f"{name}-gguf" if tierserve_path.endswith(".gguf") else name
+    if tierserve_path == DEFAULT_MODEL_PATH:
+        return name
+    if tierserve_path == "default":
+        return f"{name}-float"
+    return f"{name}-gguf" if tierserve_path.endswith(".gguf") else f"{name}-folder"
 
 
 def figures(
@@ -290,7 +298,7 @@ def figures(
         "scenario": scenario_name(precision, args.tierserve_path),  # --record's block
         "model": MODEL,
         "precision": precision.value,
-        "tierserve_path": args.tierserve_path,  # its pool's path: "default", or a GGUF served natively
+        "tierserve_path": args.tierserve_path,  # its pool's path: default-q4_1 (the GGUF), default (float)
         "cpu": machine(),
         "workload": (
             f"streamed chat, greedy, ignore_eos, {args.output_tokens} output tokens each; single: "

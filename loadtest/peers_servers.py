@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.launch import HOST, ROOT, free_port, log_tail, stop_server
+from wire.config import DEFAULT_MODEL_PATH
 from worker.cpu_isa import OVERRIDE_ENV, caps_from_flags, read_cpuinfo  # torch-free: /proc/cpuinfo
 
 MODEL = "smollm2-135m-instruct"  # the name every server is asked for
@@ -63,7 +64,7 @@ def vllm_dtype(precision: Precision) -> str:
     return "bfloat16" if caps.native_bf16 else "float32"
 
 
-def tierserve_launch(precision: Precision, workdir: Path, path: str = "default") -> Launch:
+def tierserve_launch(precision: Precision, workdir: Path, path: str = DEFAULT_MODEL_PATH) -> Launch:
     """``tierserve serve`` with one pool of ``path`` (the embedded model unless told): dtype auto (best)
     or float32."""
     dtype = "float32" if precision is Precision.FP32 else "auto"

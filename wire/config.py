@@ -40,6 +40,10 @@ __all__ = [
 
 # Mirrors worker.models.store.DEFAULT_MODEL: wire/ may not import the worker.
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+# What a pool (and the worker's --model) serves unless told: the embedded model from its own Q4_1 GGUF,
+# served from its blocks (`tierserve bench quant`: top-1 agreement with the float weights 1.000).
+# "default" names the float folder (one line away: path = "default").
+DEFAULT_MODEL_PATH = "default-q4_1"
 ENV_PREFIX = "TIERSERVE_"
 CONFIG_PATH_ENV = "TIERSERVE_CONFIG"
 # TIERSERVE_* variables that other parts read; everything else with the prefix must be a config key,
@@ -138,7 +142,9 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 class ModelPool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: Name  # the served model name clients put in "model"
-    path: Name = "default"  # a Hugging Face folder, a GGUF file, or "default" (the embedded model)
+    # a Hugging Face folder, a GGUF file, "default-q4_1" (the embedded model from its Q4_1 GGUF) or
+    # "default" (the same model's float weights)
+    path: Name = DEFAULT_MODEL_PATH
     # auto: bf16 on CUDA and on CPUs with native bf16 (AVX-512-BF16, AMX), float32 on other CPUs
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     num_workers: PosInt = 1

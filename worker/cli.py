@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from policies.registry import PolicyError
+from wire.config import DEFAULT_MODEL_PATH
 from wire.errors import InvalidRequestError
 from wire.sampling import SamplingParams
 from worker.cpu_isa import CpuIsaError, export_isa_env
@@ -28,7 +29,10 @@ if TYPE_CHECKING:
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default="default", help="a Hugging Face folder, or 'default' (SmolLM2-135M)"
+        "--model",
+        default=DEFAULT_MODEL_PATH,
+        help="a Hugging Face folder, a GGUF file, 'default-q4_1' (SmolLM2-135M from its Q4_1 GGUF: the "
+        "default) or 'default' (its float weights)",
     )
     parser.add_argument(
         "--dtype",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wire.config import DEFAULT_MODEL_PATH
 from wire.full_precision import check_entries
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -20,7 +21,7 @@ QUANTIZATIONS = ("none", "int8", "int4")
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = "default"
+    model: str = DEFAULT_MODEL_PATH  # the embedded model from its Q4_1 GGUF; "default": its float weights
     dtype: str = "auto"
     device: str = "cpu"
     kv_cache_gb: float = 1.0

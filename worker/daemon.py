@@ -69,7 +69,7 @@ from wire.messages import (
 from worker.daemon_io import CurveClientKeys, Received, SocketIO
 from worker.engine import Engine
 from worker.kv_events import KVEventLog
-from worker.models.store import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
+from worker.models.store import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES, QUANTIZED_DEFAULT_ALIASES
 from worker.outputs import RequestOutput
 from worker.request import FinishReason, TierRef
 from worker.tracing import NULL_OBSERVER, NullObserver, RequestTracer
@@ -413,4 +413,4 @@ def _observe(engine: Engine, telemetry: Telemetry | None, worker_id: str) -> Nul
 
 
 def _model_name(model: str) -> str:
-    return DEFAULT_MODEL if model in DEFAULT_MODEL_ALIASES else Path(model).name
+    return DEFAULT_MODEL if model in DEFAULT_MODEL_ALIASES + QUANTIZED_DEFAULT_ALIASES else Path(model).name

@@ -15,8 +15,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from gateway.tokenizer import HFPromptBuilder
 from loadtest.launch import running_server
 from tests.e2e.test_serve import wait_until, workers_idle
+from wire.config import DEFAULT_MODEL_PATH
 from wire.sampling import SamplingParams
-from worker.models.store import DEFAULT_MODEL, default_model_dir, is_pulled
+from worker.models.store import DEFAULT_MODEL, default_model_dir, is_pulled, resolve_model
 
 needs_model = pytest.mark.skipif(not is_pulled(default_model_dir()), reason="run `tierserve models pull`")
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
@@ -34,8 +35,8 @@ def engine_text() -> str:
     from worker.config import EngineConfig
     from worker.engine import Engine
 
-    engine = Engine.from_config(EngineConfig(model="default"))
-    prompt_ids = HFPromptBuilder(default_model_dir()).chat_ids(
+    engine = Engine.from_config(EngineConfig(model=DEFAULT_MODEL_PATH))  # what serve's default pool serves
+    prompt_ids = HFPromptBuilder(resolve_model(DEFAULT_MODEL_PATH)).chat_ids(
         [{"role": "user", "content": "What is the capital of France?"}]
     )
     request_id = engine.add_request(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))

@@ -99,7 +99,10 @@ def test_a_gguf_run_records_into_its_own_block() -> None:
     args = parse_args(["--tierserve-path", "/models/x.Q4_1.gguf"])
     assert figures(args, {}, None)["scenario"] == "peers-gguf"
     assert figures(args, {}, None)["tierserve_path"] == "/models/x.Q4_1.gguf"
-    assert scenario_name(Precision.FP32, "default") == "peers-fp32"
+    assert scenario_name(Precision.FP32, "default-q4_1") == "peers-fp32"  # the default pool path
+    assert scenario_name(Precision.BEST, "default") == "peers-float"
+    assert scenario_name(Precision.BEST, "/models/llama") == "peers-folder"
+    assert figures(parse_args([]), {}, None)["scenario"] == "peers"
 
 
 def test_a_phase_with_a_failed_request_is_no_comparison() -> None:

@@ -39,7 +39,7 @@ def test_defaults_load_with_no_file_and_empty_env() -> None:
         False,
     )
     assert [(p.name, p.path, p.role) for p in config.models.pools] == [
-        ("smollm2-135m-instruct", "default", "primary")
+        ("smollm2-135m-instruct", "default-q4_1", "primary")
     ]
     assert config.policies.ordering.name == "fcfs"
     assert config.policies.routing.name == "least-loaded"
