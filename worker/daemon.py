@@ -189,8 +189,7 @@ class WorkerDaemon:
                 log.warning("worker %s: gateway %s gone for %.0f s; aborting its %d requests", self.worker_id,
                             self.io.addresses[link], now - since, len(orphans))  # fmt: skip
             for request_id in orphans:
-                del self._requests[request_id]
-                self.engine.abort(request_id)
+                self._drop(request_id)
 
     def _handle_safely(self, item: Received) -> Shutdown | None:
         message = item.message
@@ -202,8 +201,7 @@ class WorkerDaemon:
             if isinstance(message, Submit):
                 tracked = self._requests.get(message.request_id)
                 if tracked is not None and tracked.link == item.link:
-                    del self._requests[message.request_id]
-                    self.engine.abort(message.request_id)
+                    self._drop(message.request_id)
                 self._reject(
                     message, item.link, 500, "internal", "internal error while admitting the request"
                 )
@@ -220,8 +218,7 @@ class WorkerDaemon:
             # Only the matching epoch: a late Abort of a failed-over attempt must not kill the new one;
             # and only from the gateway that sent the request.
             if tracked is not None and tracked.epoch == message.epoch and tracked.link == link:
-                del self._requests[message.request_id]
-                self.engine.abort(message.request_id)
+                self._drop(message.request_id)
         else:
             return self._shutdown(message)  # from any gateway: the process stops for every one
         return None
@@ -253,8 +250,7 @@ class WorkerDaemon:
                 self._reject(submit, link, 409, "request_id", why)
                 return
             # A newer attempt supersedes the old one: the gateway has already given up on it.
-            del self._requests[submit.request_id]
-            self.engine.abort(submit.request_id)
+            self._drop(submit.request_id)
         engine = self.engine
         num_resumed = len(submit.resumed_token_ids)
         try:
@@ -276,6 +272,11 @@ class WorkerDaemon:
             return
         self._requests[submit.request_id] = _Tracked(submit.epoch, num_resumed, link)
         self._tracing.begin(submit, len(submit.prompt_token_ids))
+
+    def _drop(self, request_id: str) -> None:
+        """Forget a request and take it out of the engine (its blocks freed); nothing more is sent."""
+        del self._requests[request_id]
+        self.engine.abort(request_id)
 
     def _reject(self, submit: Submit, link: int, status: int, field: str, message: str) -> None:
         self.io.send_to(

@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,8 +44,6 @@ class _RequestState:
     request: Request
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
 
 
 class Engine:
@@ -186,6 +184,8 @@ class Engine:
     # ---- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One scheduled step: the runner computes it, the scheduler advances, the sampled tokens are
+        processed; what each request got (finished ones included)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -199,27 +199,24 @@ class Engine:
             failed = [self._finish(r, FinishReason.ERROR, error="internal error") for r in out.scheduled]
             self.observer.on_step_done(out, failed)
             return failed
-        self.scheduler.on_step_done(out)
-        if not requests:
-            self.scheduler.report_step(out, (time.perf_counter() - start) * 1e3)
-            self.observer.on_step_done(out, [])
-            return []
+        self.scheduler.postprocess(out)  # the runner's requests are those it returns, in its order
+        outputs = self._sample(requests, logits) if requests else []
+        # The whole step, as a stream sees it between two tokens: what the budget policy learns from.
+        self.scheduler.report_step(out, (time.perf_counter() - start) * 1e3)
+        self.observer.on_step_done(out, outputs)
+        return outputs
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
         states = [self._states[r.request_id] for r in requests]
         rows = [
             SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, s.generator)
             for r, s in zip(requests, states, strict=True)
         ]
         sampled = self.sampler(logits, rows)
-        outputs = [
-            self._process_token(state, token_id, token_logprobs)
-            for state, token_id, token_logprobs in zip(
-                states, sampled.token_ids, sampled.logprobs, strict=True
-            )
+        picks = zip(states, sampled.token_ids, sampled.logprobs, strict=True)
+        return [
+            self._process_token(state, token_id, token_logprobs) for state, token_id, token_logprobs in picks
         ]
-        # The whole step, as a stream sees it between two tokens: what the budget policy learns from.
-        self.scheduler.report_step(out, (time.perf_counter() - start) * 1e3)
-        self.observer.on_step_done(out, outputs)
-        return outputs
 
     def _process_token(
         self, state: _RequestState, token_id: int, logprobs: TokenLogprobs | None
@@ -227,8 +224,6 @@ class Engine:
         request = state.request
         params = request.sampling_params
         request.append_output_token(token_id)
-        if logprobs is not None:
-            state.logprobs.append(logprobs)
         reason: FinishReason | None = None
         text = ""
         if token_id in request.eos_token_ids or token_id in params.stop_token_ids:

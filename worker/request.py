@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from wire.block_hash import BlockHash
 from wire.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.kv_cache.block_pool import KVBlock
 
 
 class RequestStatus(enum.Enum):
@@ -34,13 +38,14 @@ class TierRef:
     tpot_ms: float | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # an entity: equal only to itself
 class Request:
     """One sequence being generated.
 
     Invariants: ``num_computed_tokens <= num_tokens``; the KV of the first
-    ``num_computed_tokens`` tokens lives in ``block_ids``; ``block_hashes`` covers every
-    full block of ``all_token_ids`` (computed or not).
+    ``num_computed_tokens`` tokens lives in ``blocks`` (its block table; ``block_ids`` their ids,
+    what the runner reads), the first ``num_published_blocks`` of them in the prefix cache;
+    ``block_hashes`` covers the full blocks of ``all_token_ids`` hashed so far.
     """
 
     request_id: str
@@ -59,7 +64,9 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    block_ids: list[int] = field(default_factory=list)
+    blocks: list[KVBlock] = field(default_factory=list)  # owned, in block-table order (kv_cache/)
+    block_ids: list[int] = field(default_factory=list)  # the ids of ``blocks``
+    num_published_blocks: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from policies.base import StepLimits, StepReport
@@ -69,8 +70,10 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
         policies: WorkerPolicies | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.clock = clock  # the "now" orderings see (tierserve.testing runs a simulated one)
         self.kv_cache = kv_cache
         self.policies = policies or WorkerPolicies.baseline()
         self.waiting: deque[Request] = deque()
@@ -102,7 +105,7 @@ class Scheduler:
         budget = max(1, min(step.max_num_tokens, limits.max_num_batched_tokens))
         max_seqs = max(1, min(step.max_num_seqs, limits.max_num_seqs))
         admitting = True
-        for view in self.policies.ordering.order([*self.running, *self.waiting], time.monotonic()):
+        for view in self.policies.ordering.order([*self.running, *self.waiting], self.clock()):
             request = self.requests[view.request_id]
             if budget <= 0 or len(out.num_scheduled_tokens) >= max_seqs:
                 break
@@ -164,11 +167,18 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
-    def on_step_done(self, out: SchedulerOutput) -> None:
-        """Advance counters after the runner computed the step, and publish newly full blocks."""
+    def postprocess(self, out: SchedulerOutput) -> list[Request]:
+        """After the runner computed the step: advance each scheduled request's counters and publish
+        its newly full blocks; returns the requests that now need a token (their computed tokens
+        reached their tokens: a decode, or a prefill's last chunk), in ``out.scheduled`` order."""
         for request in out.scheduled:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
             self.kv_cache.cache_computed_blocks(request)
+        return [r for r in out.scheduled if r.num_computed_tokens == r.num_tokens]
+
+    def check_integrity(self) -> None:
+        """The KV cache's invariants over every live request (tests call it after steps)."""
+        self.kv_cache.check_integrity(self.requests.values())
 
     def report_step(self, out: SchedulerOutput, elapsed_ms: float) -> None:
         """Tell the budget policy what a finished step cost."""

@@ -12,8 +12,8 @@ from policies.base import NoParams, StepLimits, StepReport
 from policies.budget import SloBudget, SloBudgetParams, Static, StepTimeModel
 from policies.ordering import Fcfs, Tiered
 from policies.preemption import LowestTier, Newest
-from policies.testing import CostModel, SimConfig, poisson_workload, simulate
 from tests.policies.views import View, views
+from tierserve.testing import CostModel, SimConfig, poisson_workload, simulate
 from wire.tier import DEFAULT_TIERS
 
 INTERACTIVE, _, BATCH = DEFAULT_TIERS

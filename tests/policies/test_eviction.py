@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from policies.base import EvictionCandidate, NoParams
 from policies.eviction import Lru, PriorityWeighted, PriorityWeightedParams
-from policies.testing import EvictionSim, PolicyContractError
+from tierserve.testing import EvictionSim, PolicyContractError
 
 candidates_st = st.lists(
     st.builds(EvictionCandidate, st.integers(0, 4), st.floats(0, 1000, allow_nan=False)),

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from policies.base import NoParams, OrderingPolicy
 from policies.ordering import Fcfs, Tiered
-from policies.testing import SimConfig, SimRequest, simulate
 from tests.policies.views import View, ids, views
+from tierserve.testing import SimConfig, SimRequest, simulate
 from wire.tier import Tier
 
 ORDERINGS: list[OrderingPolicy] = [Fcfs(NoParams()), Tiered(NoParams())]

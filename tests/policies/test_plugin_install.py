@@ -18,7 +18,7 @@ PLUGIN = ROOT / "examples" / "policy-plugin"
 CHECK = """
 import json
 from policies.registry import PolicyError, available, load_policy
-from policies.testing import SimConfig, SimRequest, simulate
+from tierserve.testing import SimConfig, SimRequest, simulate
 from wire.tier import DEFAULT_TIERS
 
 out = {}

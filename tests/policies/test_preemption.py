@@ -6,8 +6,8 @@ from hypothesis import given
 
 from policies.base import NoParams
 from policies.preemption import LowestTier, Newest
-from policies.testing import SimConfig, SimRequest, simulate
 from tests.policies.views import View, views
+from tierserve.testing import SimConfig, SimRequest, simulate
 from wire.tier import Tier
 
 

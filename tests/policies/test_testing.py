@@ -1,4 +1,4 @@
-"""policies.testing itself: the simulated scheduler follows the worker's rules, by hand-computed cases."""
+"""tierserve.testing itself: the harness runs the worker's scheduler, by hand-computed cases."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from policies.base import NoParams, SeqView, StepBudget, StepLimits, StepReport
 from policies.budget import Static
 from policies.ordering import Fcfs
-from policies.testing import (
+from tierserve.testing import (
     CostModel,
     PolicyContractError,
     SimConfig,

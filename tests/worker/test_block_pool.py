@@ -80,7 +80,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def counts_add_up(self) -> None:
         free, in_use, cached = self.kv.pool.counts()
         assert free + in_use + cached == NUM_BLOCKS
-        self.kv.check_integrity()
+        self.kv.check_integrity(self.running.values())
 
     @invariant()
     def block_tables_hold_their_tokens(self) -> None:
@@ -148,7 +148,7 @@ def test_allocate_slots_changes_nothing_on_failure() -> None:
     other = make_request("b", list(range(100, 105)))
     assert not kv.allocate_slots(other, 5)
     assert other.block_ids == [] and kv.num_free_blocks == 0
-    kv.check_integrity()
+    kv.check_integrity([request, other])
 
 
 def test_recorded_events_give_each_hash_its_latest_state_and_a_snapshot_covers_pending_ones() -> None:

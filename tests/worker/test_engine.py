@@ -109,7 +109,7 @@ def test_abort_frees_blocks_and_spares_the_others(engine: Engine) -> None:
             if output.is_finished:
                 finished[output.request_id] = output
     assert keep in finished
-    engine.kv_cache.check_integrity()
+    engine.scheduler.check_integrity()
     assert engine.kv_cache.pool.counts()[1] == 0  # no block left in use
 
 
@@ -160,7 +160,7 @@ def test_a_failed_step_fails_its_requests_only_and_the_engine_serves_on(
     [failed] = engine.step()
     assert failed.request_id == victim and failed.finish_reason is FinishReason.ERROR and failed.error
     assert not engine.has_unfinished()
-    engine.kv_cache.check_integrity()
+    engine.scheduler.check_integrity()
     assert engine.kv_cache.pool.counts()[1] == 0
     [done] = engine.generate([chat(engine, "What is the capital of France?")], GREEDY)
     assert "Paris" in done.text

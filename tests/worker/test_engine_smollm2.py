@@ -159,7 +159,7 @@ def run_engine(model_path, prompt_ids, *, together: bool, **config) -> tuple[lis
     else:
         completions = [engine.generate([ids], params)[0] for ids in prompt_ids]
     results = [Reference(c.token_ids, [[t for t, _ in lp.top] for lp in c.logprobs]) for c in completions]
-    engine.kv_cache.check_integrity()
+    engine.scheduler.check_integrity()
     return results, engine
 
 
@@ -229,7 +229,7 @@ def test_tiered_policies_preempting_and_evicting_do_not_change_output(
         for output in engine.step():
             tokens[output.request_id] += output.new_token_ids
             top[output.request_id] += [[t for t, _ in lp.top] for lp in output.logprobs]
-    engine.kv_cache.check_integrity()
+    engine.scheduler.check_integrity()
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv_cache.pool.num_evictions > 0
     assert_matches([Reference(tokens[i], top[i]) for i in ids], references)

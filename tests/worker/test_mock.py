@@ -46,7 +46,7 @@ def drain(engine: Engine) -> None:
 
 
 def assert_clean(engine: Engine) -> None:
-    engine.kv_cache.check_integrity()
+    engine.scheduler.check_integrity()
     assert engine.kv_cache.pool.counts()[1] == 0  # no block left in use
 
 

@@ -22,13 +22,11 @@ def make_request(request_id: str, num_prompt: int, max_tokens: int = 4, arrival:
 def run_step(scheduler: Scheduler) -> SchedulerOutput:
     """What the engine does around the runner: advance, sample a token, finish at max_tokens."""
     out = scheduler.schedule()
-    scheduler.on_step_done(out)
-    for request in out.scheduled:
-        if request.num_computed_tokens == request.num_tokens:
-            request.append_output_token(len(request.output_token_ids) % 100)
-            if request.num_output_tokens >= request.sampling_params.max_tokens:
-                scheduler.finish(request.request_id, FinishReason.LENGTH)
-    scheduler.kv_cache.check_integrity()
+    for request in scheduler.postprocess(out):
+        request.append_output_token(len(request.output_token_ids) % 100)
+        if request.num_output_tokens >= request.sampling_params.max_tokens:
+            scheduler.finish(request.request_id, FinishReason.LENGTH)
+    scheduler.check_integrity()
     return out
 
 

@@ -6,10 +6,14 @@ A request's block table maps its token positions onto pool blocks:
     slot        =    block_ids[p // block_size] * block_size + p % block_size
 
 Check and act are one call (``allocate_slots`` returns False and changes nothing when the
-pool cannot hold the step), so the scheduler never leaves a request half allocated.
+pool cannot hold the step), so the scheduler never leaves a request half allocated. The request owns
+its block table (``Request.blocks``, and ``Request.block_ids`` the runner reads); this manager keeps
+no copy of it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from policies.base import EvictionPolicy
 from wire.block_hash import hash_blocks
@@ -28,8 +32,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, eviction=eviction)
-        # Blocks owned per request, in block-table order; Request.block_ids mirrors the ids.
-        self._blocks: dict[str, list[KVBlock]] = {}
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0  # in tokens
 
@@ -83,7 +85,7 @@ class KVCacheManager:
         ``num_computed_tokens`` covers them.
         """
         computed_blocks = computed_blocks or []
-        owned = self._blocks.setdefault(request.request_id, [])
+        owned = request.blocks
         assert not (computed_blocks and owned), "prefix hits only for a request without blocks"
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_needed = self.blocks_needed(num_computed + num_new_tokens) - len(owned) - len(computed_blocks)
@@ -93,30 +95,44 @@ class KVCacheManager:
             return False
         if computed_blocks:
             self.pool.touch(computed_blocks)
-            owned.extend(computed_blocks)
+            self._own(request, computed_blocks)
             request.num_computed_tokens = num_computed
+            request.num_published_blocks = len(computed_blocks)  # cached already: they were hits
         if num_needed > 0:
-            owned.extend(self.pool.allocate(num_needed))
-        request.block_ids = [b.block_id for b in owned]
+            self._own(request, self.pool.allocate(num_needed))
         return True
 
+    @staticmethod
+    def _own(request: Request, blocks: list[KVBlock]) -> None:
+        request.blocks.extend(blocks)
+        request.block_ids.extend(b.block_id for b in blocks)
+
     def cache_computed_blocks(self, request: Request) -> None:
-        """Publish every full block whose KV is now computed, so later requests can hit it."""
+        """Publish the full blocks whose KV became computed since the last call, so later requests can
+        hit them (only the new range is hashed and published)."""
         if not self.enable_prefix_caching:
             return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.blocks))
+        if num_full <= request.num_published_blocks:
+            return
         self.update_block_hashes(request)
-        owned = self._blocks.get(request.request_id, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(owned))
-        for block, block_hash in zip(owned[:num_full], request.block_hashes[:num_full], strict=True):
+        start = request.num_published_blocks
+        for block, block_hash in zip(
+            request.blocks[start:num_full], request.block_hashes[start:num_full], strict=True
+        ):
             self.pool.cache_block(block, block_hash)
+        request.num_published_blocks = num_full
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first; full computed blocks stay cached."""
-        owned = self._blocks.pop(request.request_id, [])
-        self.pool.free(reversed(owned), request.tier.rank)
-        request.block_ids = []
+        self.pool.free(reversed(request.blocks), request.tier.rank)
+        request.blocks, request.block_ids = [], []
+        request.num_published_blocks = 0
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, requests: Iterable[Request] = ()) -> None:
+        """The pool's invariants, and that none of ``requests`` (the live ones) holds a freed block."""
         self.pool.check_integrity()
-        for request_id, owned in self._blocks.items():
-            assert all(b.ref_count > 0 for b in owned), f"{request_id} holds a freed block"
+        for request in requests:
+            name = request.request_id
+            assert all(b.ref_count > 0 for b in request.blocks), f"{name} holds a freed block"
+            assert request.block_ids == [b.block_id for b in request.blocks], f"{name}: block ids drifted"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 from tierserve_tenant_fair import TenantFair, TenantFairParams
 
-from policies.testing import SimConfig, SimRequest, simulate
+from tierserve.testing import SimConfig, SimRequest, simulate
 from wire.tier import DEFAULT_TIERS
 
 INTERACTIVE, STANDARD, BATCH = DEFAULT_TIERS
