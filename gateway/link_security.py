@@ -28,6 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from wire.config import GatewayConfig
 from wire.curve import CurveKeyPair, load_authorized_keys, load_key_pair
+from wire.log_every import is_logged
 
 __all__ = ["AuthorizedKeys", "CurveServer", "CurveServerKeys"]
 
@@ -77,7 +78,7 @@ class AuthorizedKeys:
             return True
         self.num_refused[key] += 1
         count = self.num_refused[key]
-        if count == 1 or count % LOG_EVERY == 0:
+        if is_logged(count, LOG_EVERY):
             log.warning(
                 "refused a worker link: CURVE public key %s is not among the authorized keys "
                 "(gateway.curve_authorized_keys_dir); %d refusals of this key",
@@ -114,7 +115,7 @@ class CurveServer:
                 continue
             self.num_failed_handshakes[why] += 1
             count = self.num_failed_handshakes[why]
-            if count == 1 or count % LOG_EVERY == 0:
+            if is_logged(count, LOG_EVERY):
                 log.warning("a worker link failed its CURVE handshake (%s); %d such failures", why, count)
 
     def stop(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from wire.log_every import is_logged
 from wire.messages import PROTOCOL_VERSION, GatewayMessage, Message, WorkerMessage
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class Decoder(Generic[M]):
 
     def _log_drop(self, reason: str) -> None:
         num_dropped = self.stats.num_dropped
-        if num_dropped == 1 or num_dropped % LOG_EVERY_N_DROPS == 0:
+        if is_logged(num_dropped, LOG_EVERY_N_DROPS):
             s = self.stats
             logger.warning(
                 "%s decoder dropped %s (dropped so far: %d oversize, %d malformed, %d version; "

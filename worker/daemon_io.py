@@ -47,6 +47,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from wire.codec import MAX_FRAME_BYTES, encode, gateway_message_decoder
 from wire.curve import CurveKeyPair
+from wire.log_every import is_logged
 from wire.messages import GatewayMessage, Heartbeat, Register, Shutdown, WorkerMessage, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -282,11 +283,14 @@ class SocketIO:
     def _queue_frame(self, link: _Link, frame: bytes, what: str, *, first: bool = False) -> None:
         if len(link.pending) >= MAX_PENDING:
             link.num_dropped += 1
-            if link.num_dropped == 1 or link.num_dropped % LOG_EVERY == 0:
+            if is_logged(link.num_dropped, LOG_EVERY):
                 log.error(
                     "gateway at %s not reading: dropping a %s (%d held, %d dropped so far)",
-                    link.address, what, MAX_PENDING, link.num_dropped,
-                )  # fmt: skip
+                    link.address,
+                    what,
+                    MAX_PENDING,
+                    link.num_dropped,
+                )
         elif first:
             link.pending.appendleft(frame)
         else:
@@ -322,7 +326,7 @@ class SocketIO:
 
     def _on_failed_handshake(self, link: _Link, event: int) -> None:
         link.num_failed_handshakes += 1
-        if link.num_failed_handshakes != 1 and link.num_failed_handshakes % LOG_EVERY != 0:
+        if not is_logged(link.num_failed_handshakes, LOG_EVERY):
             return
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             why = "the gateway refused this worker's CURVE key (not in its curve_authorized_keys_dir?)"
@@ -332,8 +336,11 @@ class SocketIO:
             why = "is --curve-server-key-file that gateway's public key, and does it use CURVE?"
         log.error(
             "worker %s: handshake with %s failed (%d times): %s",
-            self.worker_id, link.address, link.num_failed_handshakes, why,
-        )  # fmt: skip
+            self.worker_id,
+            link.address,
+            link.num_failed_handshakes,
+            why,
+        )
 
     def _redial(self, link: _Link) -> None:
         log.log(
@@ -366,7 +373,7 @@ class SocketIO:
             if len(parts) != 1:
                 # One message, one frame: anything else is not from a gateway speaking this protocol.
                 self._num_dropped_multipart += 1
-                if self._num_dropped_multipart == 1 or self._num_dropped_multipart % 1000 == 0:
+                if is_logged(self._num_dropped_multipart, LOG_EVERY):
                     log.warning("dropped a %d-part message (%s)", len(parts), self.decode_stats_line())
                 continue
             message = self._decoder.decode(parts[0])
