@@ -81,8 +81,9 @@ def invalid(exc: InvalidRequestError) -> APIError:
 
 def unknown_model(model: str, served: list[str]) -> APIError:
     known = ", ".join(repr(name) for name in served) or "none yet"
-    return APIError(404, f"model {model!r} is not served here (served: {known})", param="model",
-                    code="model_not_found")  # fmt: skip
+    return APIError(
+        404, f"model {model!r} is not served here (served: {known})", param="model", code="model_not_found"
+    )
 
 
 def body_too_large(limit: int) -> APIError:

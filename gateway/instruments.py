@@ -100,8 +100,9 @@ class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = Registry()
         mt = ("model", "tier")
-        self.requests = r.counter("tierserve_requests_total", "Completion requests by final status.",
-                                  ("model", "tier", "status"))  # fmt: skip
+        self.requests = r.counter(
+            "tierserve_requests_total", "Completion requests by final status.", ("model", "tier", "status")
+        )
         self.shed = r.counter("tierserve_shed_total", "Requests refused with 429 by admission.", mt)
         self.degraded = r.counter(
             "tierserve_degraded_total", "Requests served by the fallback pool, by the model asked for.", mt
@@ -190,9 +191,17 @@ class GatewayMetrics:
 
     def watch(self, dispatcher: Dispatcher, admissions: AdmissionBook) -> None:
         """Refresh the scrape-time figures from ``dispatcher`` and ``admissions`` on every render."""
-        per_worker = (self.worker_running, self.worker_waiting, self.worker_used_blocks,
-                      self.worker_free_blocks, self.worker_total_blocks, self.worker_step_time,
-                      self.worker_hit_ratio, self.index_blocks, self.quant_layer_error)  # fmt: skip
+        per_worker = (
+            self.worker_running,
+            self.worker_waiting,
+            self.worker_used_blocks,
+            self.worker_free_blocks,
+            self.worker_total_blocks,
+            self.worker_step_time,
+            self.worker_hit_ratio,
+            self.index_blocks,
+            self.quant_layer_error,
+        )
 
         def collect() -> None:
             self.queue_length.clear()

@@ -143,19 +143,31 @@ async def _run(
     try:
         threads = threads_arg(options.pools)
         for launch in options.pools if options.launch_workers else ():
-            _say(f"starting {launch.num_workers} worker(s) of {launch.name!r} on {dispatcher.address} "
-                 f"({launch.pool.role} pool)")  # fmt: skip
+            _say(
+                f"starting {launch.num_workers} worker(s) of {launch.name!r} on {dispatcher.address} "
+                f"({launch.pool.role} pool)"
+            )
             workers += [
                 spawn(dispatcher.address, i, launch, options.config, log_dir, [*curve_args, *threads])
                 for i in range(launch.num_workers)
             ]
         builders = {launch.name: launch.builder for launch in options.pools}
-        gateway = Gateway(dispatcher, options.config, builders, int(time.time()), fallbacks=options.fallbacks,
-                          telemetry=telemetry or Telemetry.off())  # fmt: skip
+        gateway = Gateway(
+            dispatcher,
+            options.config,
+            builders,
+            int(time.time()),
+            fallbacks=options.fallbacks,
+            telemetry=telemetry or Telemetry.off(),
+        )
         config = uvicorn.Config(
-            create_app(gateway), host=options.host, port=options.port, log_level=options.log_level,
-            lifespan="off", timeout_graceful_shutdown=5,
-        )  # fmt: skip
+            create_app(gateway),
+            host=options.host,
+            port=options.port,
+            log_level=options.log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
         server = _Server(config)
         loop = asyncio.get_running_loop()
 

@@ -55,8 +55,9 @@ class Gateway:
     def __post_init__(self) -> None:
         policies = self.config.policies
         allow = policies.allow_plugins
-        admission = load_policy("admission", policies.admission.name, policies.admission.params,
-                                allow_plugins=allow)  # fmt: skip
+        admission = load_policy(
+            "admission", policies.admission.name, policies.admission.params, allow_plugins=allow
+        )
         self.admissions = AdmissionBook(self.config.tiers, self.capacity_of, admission)
         self.dispatcher.registry.routing = load_policy(
             "routing", policies.routing.name, policies.routing.params, allow_plugins=allow
@@ -109,8 +110,9 @@ class Gateway:
             return min(r.max_model_len for r in ready), min(vocab_sizes) if vocab_sizes else None
         known = [w for w in registry if w.model == model]
         if not registry.ready(model) or any(takes(w, band, num_prompt_tokens) for w in known):
-            raise APIError(503, f"no ready worker serves model {model!r} for {band} prompts",
-                           code="no_worker_available")  # fmt: skip
+            raise APIError(
+                503, f"no ready worker serves model {model!r} for {band} prompts", code="no_worker_available"
+            )
         served = [w.register.max_model_len for w in known if takes(w, band)]
         why = (
             f"{num_prompt_tokens} tokens leave no room in the model's context of {max(served)} tokens"
@@ -143,12 +145,19 @@ class Gateway:
         if choice == "fallback" and tier.degradable and view.fallback_ready:
             return Placement(fallback, model, is_degraded=True)
         if choice not in ("primary", "fallback"):
-            log.error("degradation policy %s answered %r; serving on the primary",
-                      type(self.degradation).__name__, choice)  # fmt: skip
+            log.error(
+                "degradation policy %s answered %r; serving on the primary",
+                type(self.degradation).__name__,
+                choice,
+            )
         elif choice == "fallback":
-            log.error("degradation policy %s degraded a request it may not (tier %r, fallback ready: %s); "
-                      "serving on the primary", type(self.degradation).__name__, tier.name,
-                      view.fallback_ready)  # fmt: skip
+            log.error(
+                "degradation policy %s degraded a request it may not (tier %r, fallback ready: %s); "
+                "serving on the primary",
+                type(self.degradation).__name__,
+                tier.name,
+                view.fallback_ready,
+            )
         return Placement(model, model)
 
     def degradation_view(self, primary: str, fallback: str, tier: Tier, seats: int) -> DegradationView:

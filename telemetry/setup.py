@@ -115,8 +115,12 @@ def configure(
         telemetry.meter_provider = meter_provider
         telemetry.meter = meter_provider.get_meter(INSTRUMENTATION_NAME)
         telemetry.metrics_exporter = metrics_exporter
-    log.info("telemetry: traces %s, metrics %s, service %s", traces_exporter or "off",
-             metrics_exporter or "off", resource.attributes.get(SERVICE_NAME))  # fmt: skip
+    log.info(
+        "telemetry: traces %s, metrics %s, service %s",
+        traces_exporter or "off",
+        metrics_exporter or "off",
+        resource.attributes.get(SERVICE_NAME),
+    )
     return telemetry
 
 

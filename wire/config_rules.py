@@ -63,8 +63,10 @@ def _validate_shared_model(config: ServerConfig, first: int, i: int, fail: Fail)
             raise fail(f"{key}.context_classes", why)
         common = set(pool.context_classes) & set(earlier.context_classes)
         if common:
-            raise fail(f"{key}.context_classes",
-                       f"{sorted(common)} also served by models.pools[{j}]: one pool per class")  # fmt: skip
+            raise fail(
+                f"{key}.context_classes",
+                f"{sorted(common)} also served by models.pools[{j}]: one pool per class",
+            )
 
 
 def _validate_worker_link(config: ServerConfig, fail: Fail) -> None:

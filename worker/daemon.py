@@ -186,8 +186,13 @@ class WorkerDaemon:
                 continue
             orphans = [request_id for request_id, tracked in self._requests.items() if tracked.link == link]
             if orphans:
-                log.warning("worker %s: gateway %s gone for %.0f s; aborting its %d requests", self.worker_id,
-                            self.io.addresses[link], now - since, len(orphans))  # fmt: skip
+                log.warning(
+                    "worker %s: gateway %s gone for %.0f s; aborting its %d requests",
+                    self.worker_id,
+                    self.io.addresses[link],
+                    now - since,
+                    len(orphans),
+                )
             for request_id in orphans:
                 self._drop(request_id)
 

@@ -163,8 +163,12 @@ def _quantized(tensor: Any, num_heads: int | None) -> QuantizedWeight:
     _is_float(tensor)  # refuses a type not served, naming the tensor
     converted = from_gguf(type_name, raw, _shape(tensor))
     if converted.requantized:
-        log.info("%s: %s requantized to %s (finer blocks than it has)", tensor.name, type_name,
-                 converted.weight.kind.upper())  # fmt: skip
+        log.info(
+            "%s: %s requantized to %s (finer blocks than it has)",
+            tensor.name,
+            type_name,
+            converted.weight.kind.upper(),
+        )
     return converted.weight
 
 

@@ -158,9 +158,11 @@ def quantize_linears(model: nn.Module, kind: str, keep: tuple[str, ...] = ()) ->
     log.info("%d linears quantized to %s (the logits to %s)", count, kind, logits_kind)
     if kept:
         log.info(
-            "kept in full precision (%s): %d linears, %.1f MB more than quantized", ", ".join(keep), kept,
+            "kept in full precision (%s): %d linears, %.1f MB more than quantized",
+            ", ".join(keep),
+            kept,
             (kept_bytes - saved_bytes) / 1e6,
-        )  # fmt: skip
+        )
     return count
 
 
@@ -187,8 +189,11 @@ def keep_full_precision(model: nn.Module, keep: tuple[str, ...], dtype: torch.dt
             extra += weight.numel() * weight.element_size() - child.weight_bytes
     log.info(
         "kept in full precision (%s): %d linears dequantized to %s, %.1f MB more than quantized",
-        ", ".join(keep), count, str(dtype).removeprefix("torch."), extra / 1e6,
-    )  # fmt: skip
+        ", ".join(keep),
+        count,
+        str(dtype).removeprefix("torch."),
+        extra / 1e6,
+    )
     return count
 
 
