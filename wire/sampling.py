@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import msgspec
 
@@ -10,6 +11,8 @@ from wire.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI's API takes a few hundred)
+LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, as OpenAI's API allows
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -17,6 +20,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
     ``temperature == 0`` means greedy. ``logprobs`` is the number of top alternatives to
     return per generated token (``None``: no logprobs; 0: only the chosen token's).
+    ``logit_bias``: (token id, bias) pairs added to the logits before anything else, each bias in
+    [-100, 100] (OpenAI's: -100 bans a token, 100 all but forces it).
     """
 
     max_tokens: int = 16
@@ -33,6 +38,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # capped in the Struct too: a hostile Submit cannot make the decoder allocate more
+    logit_bias: Annotated[tuple[tuple[int, float], ...], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -80,6 +87,25 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         _require(
             self.seed is None or 0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}"
         )
+        self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int) -> None:
+        bias = self.logit_bias
+        _require(
+            len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}"
+        )
+        for token_id, value in bias:
+            _require(
+                0 <= token_id < vocab_size,
+                "logit_bias",
+                f"token id {token_id} is not in the vocabulary (ids 0 to {vocab_size - 1})",
+            )
+            _require(
+                _finite(value) and -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE,
+                "logit_bias",
+                f"the bias of token {token_id} must be in [-100, 100], got {value}",
+            )
+        _require(len({t for t, _ in bias}) == len(bias), "logit_bias", "a token id appears twice")
 
 
 def _finite(value: float) -> bool:

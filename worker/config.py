@@ -71,6 +71,11 @@ class EngineConfig:
                 f"kernel_backend={self.kernel_backend!r})"
             )
 
+    def context_limit(self, max_position_embeddings: int) -> int:
+        """The longest sequence (prompt + output) the engine serves: the model's own limit, capped by
+        ``max_model_len`` when that is set."""
+        return min(max_position_embeddings, self.max_model_len or max_position_embeddings)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -360,7 +360,7 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
     if config.cuda_graphs:
         if backend is not KernelBackend.TRITON or device.type != "cuda":
             raise ValueError("cuda_graphs: needs the Triton kernels on a cuda device")
-        max_model_len = min(mc.max_position_embeddings, config.max_model_len or 1 << 30)
+        max_model_len = config.context_limit(mc.max_position_embeddings)
         sizes = graph_batch_sizes(config.max_num_seqs)
         graphs = DecodeGraphs(model, kv_caches, config.block_size, max_model_len, sizes, device)
         graphs.capture()

@@ -2,7 +2,7 @@
 
 One call takes the step's logits ``[N, V]`` (float32) and one :class:`SamplingRow` per row. The order is
 
-    logits ─▶ penalties ─┬─▶ log_softmax ─▶ logprobs            (what the model "thinks", penalties included)
+    logits ─▶ logit_bias ─▶ penalties ─┬─▶ log_softmax ─▶ logprobs   (bias and penalties included)
                          ├─▶ argmax ─▶ greedy rows
                          └─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race ─▶ sampled rows
 
@@ -60,6 +60,10 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _MIN_TEMPERATURE
 
 
+def _has_bias(params: SamplingParams) -> bool:
+    return bool(params.logit_bias)
+
+
 def _has_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
@@ -72,11 +76,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         params = [row.params for row in rows]
-        if all(_is_greedy(p) and not _has_penalties(p) and p.logprobs is None for p in params):
+        if all(
+            _is_greedy(p) and not _has_penalties(p) and not _has_bias(p) and p.logprobs is None
+            for p in params
+        ):
             # The hot path: one kernel, and bit-identical to HF's greedy decoding.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
-        logits = apply_penalties(logits, rows)
+        logits = apply_penalties(apply_logit_bias(logits, rows), rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
@@ -86,6 +93,18 @@ class Sampler:
             token_ids[sampled] = _sample(logits[sampled], [rows[i] for i in sampled])
         token_id_list: list[int] = token_ids.tolist()
         return SamplerOutput(token_id_list, _logprobs(logits, params, token_id_list))
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Return ``logits`` with each row's ``logit_bias`` added (one scatter); the input is left untouched."""
+    biased = [(i, token_id, value) for i, row in enumerate(rows) for token_id, value in row.params.logit_bias]
+    if not biased:
+        return logits
+    device = logits.device
+    row_index = torch.tensor([i for i, _, _ in biased], dtype=torch.long, device=device)
+    col_index = torch.tensor([t for _, t, _ in biased], dtype=torch.long, device=device)
+    values = torch.tensor([v for _, _, v in biased], dtype=logits.dtype, device=device)
+    return logits.index_put((row_index, col_index), values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -48,3 +48,20 @@ def test_defaults_are_valid_and_round_trip_through_msgpack() -> None:
 def test_unknown_fields_are_rejected() -> None:
     with pytest.raises(msgspec.ValidationError, match="best_of"):
         msgspec.json.decode(b'{"max_tokens": 3, "best_of": 2}', type=SamplingParams)
+
+
+def test_logit_bias_names_the_field_for_unknown_ids_and_values_out_of_range() -> None:
+    def check(bias: tuple[tuple[int, float], ...]) -> None:
+        SamplingParams(logit_bias=bias).validate(vocab_size=100, max_model_len=64, num_prompt_tokens=4)
+
+    check(((0, -100.0), (99, 100.0), (5, 0.5)))
+    for bias, message in [
+        (((100, 1.0),), r"token id 100 is not in the vocabulary \(ids 0 to 99\)"),
+        (((-1, 1.0),), "token id -1 is not in the vocabulary"),
+        (((1, 1e30),), r"the bias of token 1 must be in \[-100, 100\], got 1e\+30"),
+        (((1, float("nan")),), "must be in"),
+        (((1, 1.0), (1, 2.0)), "appears twice"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            check(bias)
+        assert info.value.field == "logit_bias"

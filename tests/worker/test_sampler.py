@@ -229,3 +229,30 @@ def test_make_generator() -> None:
     a, b = make_generator(5), make_generator(5)
     assert a is not None and b is not None
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+
+
+def test_logit_bias_bans_and_forces_tokens_in_its_own_row_only() -> None:
+    logits = random_logits(3)
+    best = logits.argmax(dim=-1).tolist()
+    forced = (best[1] + 7) % VOCAB
+    rows = [
+        row(SamplingParams(temperature=0.0, logit_bias=((best[0], -100.0),))),  # the best one banned
+        row(SamplingParams(temperature=0.0, logit_bias=((forced, 100.0),))),
+        row(SamplingParams(temperature=0.0)),
+    ]
+    out = Sampler()(logits, rows)
+    assert out.token_ids[0] == int(logits[0].topk(2).indices[1])  # the runner-up
+    assert out.token_ids[1] == forced
+    assert out.token_ids[2] == best[2]  # a row without a bias is untouched by its neighbours'
+    # sampled rows see the bias too: a banned token is never drawn, a forced one always is
+    banned = SamplingParams(temperature=1.0, seed=3, logit_bias=tuple((t, -100.0) for t in range(VOCAB - 1)))
+    assert {Sampler()(logits[:1], [row(banned)]).token_ids[0] for _ in range(5)} == {VOCAB - 1}
+
+
+def test_logit_bias_shows_in_the_logprobs() -> None:
+    logits = torch.zeros(1, VOCAB)
+    out = Sampler()(logits, [row(SamplingParams(temperature=0.0, logprobs=1, logit_bias=((3, 5.0),)))])
+    assert out.token_ids == [3]
+    lp = out.logprobs[0]
+    assert lp is not None and lp.token_id == 3
+    assert lp.logprob == pytest.approx(5.0 - math.log(math.exp(5.0) + VOCAB - 1), abs=1e-5)
