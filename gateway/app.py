@@ -1,8 +1,11 @@
 """The HTTP front: the OpenAI endpoints, ``/v1/models``, ``/health``, ``/ready`` and ``/metrics``.
 
-    headers ─▶ identity (tenant, tier; 401/400/403) ─▶ body ─▶ openai_api (decode)
-        ─▶ placement (primary or fallback pool: the degradation policy, once; gateway/state.py)
-        ─▶ tokenizer of the placed model (thread) ─▶ context check per prompt ─▶ Job (prompts × n choices)
+Chat and completions take one path; what differs between them (decoding, prompts, response shapes) is
+an :class:`~gateway.endpoint.Endpoint`:
+
+    headers ─▶ identity (tenant, tier; 401/400/403) ─▶ body ─▶ endpoint.decode ─▶ endpoint.prompts
+        ─▶ placement and tokens, decided once (gateway/placement.py) ─▶ prompt check per prompt
+        (wire/prompt.py, against the workers that would take it) ─▶ Job (prompts × n choices)
         ─▶ completion.respond
                                          (admission, dispatch, fan-in, SSE or JSON: gateway/completion.py)
 
@@ -15,8 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 from opentelemetry import trace
@@ -30,27 +33,19 @@ from starlette.routing import Route
 from gateway import errors
 from gateway.completion import Choice, Job, respond
 from gateway.drain import DrainMiddleware
+from gateway.endpoint import CHAT, COMPLETIONS, Body, Endpoint
 from gateway.errors import APIError
 from gateway.identity import Identity, identify
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.openai_api import (
-    ChatCompletionRequest,
-    ChatRenderer,
-    CompletionRenderer,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    Renderer,
-    decode_chat,
-    decode_completion,
-)
+from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.placement import place_prompts
 from gateway.sse import ClientDisconnected
 from gateway.state import Gateway, Placement
-from gateway.tokenizer import PromptBuilder, TemplateError, chat_ids_async, text_ids_async
 from gateway.workers import WorkerState
 from telemetry import attributes as attr
 from telemetry.http import ServerSpanMiddleware
 from wire.errors import InvalidRequestError
+from wire.prompt import check_prompt
 from wire.sampling import SamplingParams
 
 __all__ = ["Gateway", "create_app"]
@@ -59,68 +54,17 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 BODY_DRAIN_FACTOR = 16  # read (and discard) up to this many times the limit, so the client sees the 413
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
-COMPLETION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})  # refused while draining; waited for
+ENDPOINTS = (CHAT, COMPLETIONS)
+COMPLETION_PATHS = frozenset(endpoint.path for endpoint in ENDPOINTS)  # refused while draining; waited for
 CLIENT_CLOSED_REQUEST = 499  # never reaches anyone: the client is gone
 
 
 def create_app(gateway: Gateway) -> Starlette:
-    limits = gateway.config.gateway
-    tracer = gateway.telemetry.tracer  # the API's no-op tracer unless OTEL_* configured an exporter
+    def completion_route(endpoint: Endpoint[Any]) -> Route:
+        async def complete(request: Request) -> Response:
+            return await _complete(request, gateway, endpoint)
 
-    async def chat(request: Request) -> Response:
-        server_span = trace.get_current_span()  # telemetry/http.py's, or a no-op one
-        with tracer.start_as_current_span(attr.CLASSIFY) as span:
-            identity = identify(gateway.config, request.headers)
-            parsed = _parse(decode_chat, await _read_body(request, limits.max_body_bytes))
-            gateway.builder(parsed.model)  # 404 for a model not served here
-            _check(lambda: parsed.check_n(limits.max_n))
-            messages = _check(lambda: [{"role": m.role, "content": m.text()} for m in parsed.messages])
-
-            async def tokenize(builder: PromptBuilder) -> list[list[int]]:
-                try:
-                    return [await chat_ids_async(builder, messages)]
-                except TemplateError as exc:
-                    raise APIError(400, f"messages: {exc}", param="messages") from None
-
-            placement = gateway.place(parsed.model, identity.tier, seats=parsed.n)
-            placement, prompt_ids = await _tokenized(gateway, placement, tokenize, has_token_ids=False)
-            texts = gateway.token_texts(placement.model) if parsed.logprobs else None
-            renderer = ChatRenderer(
-                f"chatcmpl-{uuid.uuid4().hex}", placement.model, parsed.include_usage, texts
-            )
-            _classified(gateway, span, identity, placement, prompt_ids)
-            if gateway.telemetry.capture_content:
-                server_span.set_attribute(attr.GEN_AI_INPUT_MESSAGES, json.dumps(messages))
-        return await _answer(request, gateway, identity, parsed, prompt_ids, renderer, placement)
-
-    async def completions(request: Request) -> Response:
-        server_span = trace.get_current_span()  # telemetry/http.py's, or a no-op one
-        with tracer.start_as_current_span(attr.CLASSIFY) as span:
-            identity = identify(gateway.config, request.headers)
-            parsed = _parse(decode_completion, await _read_body(request, limits.max_body_bytes))
-            gateway.builder(parsed.model)
-            _check(lambda: parsed.check_n(limits.max_n))
-            prompts = _check(lambda: parsed.prompts(limits.max_prompts))
-
-            async def tokenize(builder: PromptBuilder) -> list[list[int]]:
-                return [
-                    await text_ids_async(builder, prompt) if isinstance(prompt, str) else list(prompt)
-                    for prompt in prompts
-                ]
-
-            placement = gateway.place(parsed.model, identity.tier, seats=parsed.n * len(prompts))
-            has_ids = any(not isinstance(prompt, str) for prompt in prompts)
-            placement, prompt_ids = await _tokenized(gateway, placement, tokenize, has_token_ids=has_ids)
-            texts = gateway.token_texts(placement.model) if parsed.logprobs is not None else None
-            renderer = CompletionRenderer(
-                f"cmpl-{uuid.uuid4().hex}", placement.model, parsed.include_usage, texts
-            )
-            _classified(gateway, span, identity, placement, prompt_ids)
-            if gateway.telemetry.capture_content:
-                server_span.set_attribute(attr.GEN_AI_INPUT_MESSAGES, json.dumps(prompts))
-        return await _answer(request, gateway, identity, parsed, prompt_ids, renderer, placement)
+        return Route(endpoint.path, complete, methods=["POST"])
 
     async def models(request: Request) -> Response:
         cards = [ModelCard(id=name, created=gateway.started_at) for name in gateway.builders]
@@ -154,8 +98,7 @@ def create_app(gateway: Gateway) -> Starlette:
 
     return Starlette(
         routes=[
-            Route(CHAT_PATH, chat, methods=["POST"]),
-            Route(COMPLETIONS_PATH, completions, methods=["POST"]),
+            *(completion_route(endpoint) for endpoint in ENDPOINTS),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
@@ -198,53 +141,40 @@ def _classified(
     })  # fmt: skip
 
 
-async def _tokenized(
-    gateway: Gateway,
-    placement: Placement,
-    tokenize: Callable[[PromptBuilder], Awaitable[list[list[int]]]],
-    *,
-    has_token_ids: bool,
-) -> tuple[Placement, list[list[int]]]:
-    """The prompts as token ids for the model ``placement`` chose, and the placement they run with.
-
-    A degraded request goes back to its primary when the fallback cannot take it as it is: prompts
-    given as token ids for a fallback with another tokenizer, or a prompt too long for its context.
-    """
-    builder = gateway.builder(placement.model)
-    primary = Placement(placement.requested, placement.requested)
-    same_tokenizer = builder is gateway.builder(primary.model)
-    if placement.is_degraded and has_token_ids and not same_tokenizer:
-        placement, builder = primary, gateway.builder(primary.model)
-    prompts = await tokenize(builder)
-    if placement.is_degraded and not gateway.fits(placement.model, max(len(p) for p in prompts)):
-        placement = primary
-        if not same_tokenizer:
-            prompts = await tokenize(gateway.builder(primary.model))
-    return placement, prompts
-
-
-async def _answer(
-    request: Request,
-    gateway: Gateway,
-    identity: Identity,
-    parsed: ChatCompletionRequest | CompletionRequest,
-    prompts: Sequence[Sequence[int]],
-    renderer: Renderer,
-    placement: Placement,
-) -> Response:
-    context_class = gateway.config.gateway.context_class(max(len(p) for p in prompts))
+async def _complete(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> Response:
+    """Both completion endpoints: classified (identity, body, prompts, placement, tokens) in the
+    classify span, then admitted, run and answered by gateway/completion.py."""
+    limits = gateway.config.gateway
+    server_span = trace.get_current_span()  # telemetry/http.py's, or a no-op one
+    with gateway.telemetry.tracer.start_as_current_span(attr.CLASSIFY) as span:
+        identity = identify(gateway.config, request.headers)
+        parsed = _parse(endpoint.decode, await _read_body(request, limits.max_body_bytes))
+        gateway.builder(parsed.model)  # 404 for a model not served here
+        _check(lambda: parsed.check_n(limits.max_n))
+        prompts = _check(lambda: endpoint.prompts(parsed, limits.max_prompts))
+        seats = parsed.n * prompts.num_prompts
+        placement, prompt_ids = await place_prompts(
+            gateway, parsed.model, identity.tier, prompts, seats=seats
+        )
+        texts = gateway.token_texts(placement.model) if endpoint.wants_logprobs(parsed) else None
+        request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        renderer = endpoint.renderer(request_id, placement.model, parsed.include_usage, texts)
+        _classified(gateway, span, identity, placement, prompt_ids)
+        if gateway.telemetry.capture_content:
+            server_span.set_attribute(attr.GEN_AI_INPUT_MESSAGES, json.dumps(prompts.content))
     model = placement.model
     job = Job(
         model,
         identity,
-        _choices(gateway, model, parsed, prompts),
+        _choices(gateway, model, parsed, prompt_ids, prompts.param),
         renderer,
         parsed.stream,
-        context_class,
+        limits.context_class(max(len(p) for p in prompt_ids)),
+        endpoint.operation,
         requested_model=placement.requested,
         is_degraded=placement.is_degraded,
     )
-    log.debug("request %s: tenant %s, tier %s, model %s (asked for %s)", renderer.request_id,
+    log.debug("request %s: tenant %s, tier %s, model %s (asked for %s)", request_id,
               identity.tenant.name, identity.tier.name, model, placement.requested)  # fmt: skip
     try:
         return await respond(gateway, job, request.receive)
@@ -257,12 +187,13 @@ def _choices(
     model: str,
     parsed: ChatCompletionRequest | CompletionRequest,
     prompts: Sequence[Sequence[int]],
+    param: str,
 ) -> list[Choice]:
     """``n`` choices per prompt, indexed prompt-major as OpenAI does. With a ``seed``, choice ``i`` of a
     prompt samples with ``seed + i``: reproducible, yet not ``n`` copies of one answer."""
     choices = []
     for prompt_index, prompt_ids in enumerate(prompts):
-        sampling = _sampling(gateway, model, parsed, prompt_ids)
+        sampling = _sampling(gateway, model, parsed, prompt_ids, param)
         for i in range(parsed.n):
             seeded = sampling
             if sampling.seed is not None and i:
@@ -276,17 +207,16 @@ def _sampling(
     model: str,
     parsed: ChatCompletionRequest | CompletionRequest,
     prompt_ids: Sequence[int],
+    param: str,
 ) -> SamplingParams:
+    """The prompt checked (wire/prompt.py) against the workers that would take it: those of its
+    context class with room after it (none: 400, or 503 while they are only not ready). An empty
+    prompt has no class to look them up by; ``check_prompt`` refuses it first."""
     num_prompt = len(prompt_ids)
-    param = "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt"
-    if num_prompt == 0:
-        raise APIError(400, f"{param}: must contain at least one token", param=param)
-    # Only workers taking this prompt's context class with room after it: 400 when there are none.
-    max_model_len, vocab_size = gateway.context_of(model, num_prompt, param)
+    max_model_len, vocab_size = gateway.context_of(model, num_prompt, param) if num_prompt else (None, None)
+    _check(lambda: check_prompt(prompt_ids, vocab_size=vocab_size, max_model_len=max_model_len, field=param))
+    assert max_model_len is not None  # looked up for every prompt ``check_prompt`` lets through
     sampling = _check(lambda: parsed.to_sampling(max_model_len - num_prompt))
-    bad = [t for t in prompt_ids if vocab_size is not None and not 0 <= t < vocab_size]
-    if bad:
-        raise APIError(400, f"prompt: token ids outside the vocabulary: {bad[:5]}", param="prompt")
     _check(
         lambda: sampling.validate(
             vocab_size=vocab_size or 1 << 31, max_model_len=max_model_len, num_prompt_tokens=num_prompt

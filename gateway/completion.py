@@ -6,7 +6,8 @@
 
 A client that goes away at any point (queued, waiting for its first token, mid-answer, streamed or not)
 cancels the work, which aborts every choice on its worker. ``gateway.request_timeout_s`` bounds the
-whole request: past it the answer is a 504 (or, mid-stream, an error event).
+whole request: past it the answer is a 504 (or, mid-stream, an error event). The fan-in and that timer
+are gateway/choice_streams.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -26,10 +27,11 @@ from starlette.types import Receive
 
 from gateway import errors
 from gateway.admission import Shed, Ticket
+from gateway.choice_streams import ChoiceStreams
 from gateway.errors import APIError
 from gateway.identity import Identity
-from gateway.openai_api import ChatRenderer, ChoiceResult, Renderer, UsageInfo, finish_reason
-from gateway.request_stream import DispatchError, RequestStream, RequestTimedOut
+from gateway.openai_api import ChoiceResult, Renderer, UsageInfo, finish_reason
+from gateway.request_stream import DispatchError, RequestStream
 from gateway.sse import DONE, ClientDisconnected, EventStreamResponse, event, until_disconnect
 from gateway.state import Gateway
 from telemetry import attributes as attr
@@ -58,6 +60,7 @@ class Job:
     renderer: Renderer
     stream: bool
     context_class: str  # from the longest prompt (gateway.context_classes)
+    operation: str  # gen_ai.operation.name: "chat" or "text_completion" (gateway/endpoint.py)
     requested_model: str | None = None  # what the client asked for, when ``model`` is its fallback
     is_degraded: bool = False  # served by the fallback pool (the degradation policy chose, once)
     arrival: float = field(default_factory=time.monotonic)
@@ -84,69 +87,6 @@ class _Progress:
     num_tokens: int = 0
     first_at: float | None = None
     last_at: float | None = None
-
-
-class ChoiceStreams:
-    """The RequestStreams of a job's choices read as one: ``(index, delta)`` as they arrive.
-
-    Leaving early (``aclose``, or cancellation) aborts every choice still running. One choice is read
-    directly; several are pumped into one queue by a task each.
-    """
-
-    def __init__(self, streams: Sequence[RequestStream], deadline: float) -> None:
-        """``deadline``: event-loop time after which every stream ends with :class:`RequestTimedOut`."""
-        self._streams = list(streams)
-        self._queue: asyncio.Queue[tuple[int, TokenDelta | DispatchError]] = asyncio.Queue()
-        self._pumps: list[asyncio.Task[None]] = []
-        self.pending: list[tuple[int, TokenDelta]] = []  # read ahead by ``first_of_each``
-        if len(self._streams) > 1:
-            self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
-        # One timer for the whole request, not a timeout around every token.
-        self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
-
-    def _expire(self) -> None:
-        for stream in self._streams:
-            stream.fail(RequestTimedOut("the request took longer than the server's request timeout"))
-
-    async def _pump(self, index: int, stream: RequestStream) -> None:
-        try:
-            async for delta in stream:
-                self._queue.put_nowait((index, delta))
-        except DispatchError as exc:
-            self._queue.put_nowait((index, exc))
-
-    async def _next(self) -> tuple[int, TokenDelta]:
-        if len(self._streams) == 1:
-            return 0, await anext(self._streams[0])
-        index, item = await self._queue.get()
-        if isinstance(item, DispatchError):
-            raise item
-        return index, item
-
-    async def first_of_each(self) -> None:
-        """Wait until every choice has answered once (so a refusal can still be a 4xx status)."""
-        seen: set[int] = set()
-        while len(seen) < len(self._streams):
-            index, delta = await self._next()
-            self.pending.append((index, delta))
-            seen.add(index)
-
-    def __aiter__(self) -> AsyncIterator[tuple[int, TokenDelta]]:
-        return self
-
-    async def __anext__(self) -> tuple[int, TokenDelta]:
-        if self.pending:
-            return self.pending.pop(0)
-        return await self._next()
-
-    async def aclose(self) -> None:
-        self._timer.cancel()
-        for stream in self._streams:
-            stream.abort()
-        for pump in self._pumps:
-            pump.cancel()
-        if self._pumps:
-            await asyncio.gather(*self._pumps, return_exceptions=True)
 
 
 async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
@@ -424,7 +364,7 @@ def _request_attributes(job: Job) -> dict[str, str | bool | int | float]:
     """The GenAI request attributes and ours, for the server span."""
     sampling = job.choices[0].sampling
     return {
-        attr.GEN_AI_OPERATION_NAME: "chat" if isinstance(job.renderer, ChatRenderer) else "text_completion",
+        attr.GEN_AI_OPERATION_NAME: job.operation,
         attr.GEN_AI_PROVIDER_NAME: "tierserve",
         attr.GEN_AI_REQUEST_MODEL: job.requested_model or job.model,
         attr.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_tokens,

@@ -20,6 +20,7 @@ from typing import Annotated, Literal, TypeAlias
 import msgspec
 
 from wire.errors import InvalidRequestError
+from wire.prompt import check_prompt
 from wire.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from wire.tier import Tier
 
@@ -220,18 +221,9 @@ class Submit(_Message, tag="submit", frozen=True, kw_only=True):
 
     def validate(self, *, vocab_size: int, max_model_len: int) -> None:
         """Raise :class:`InvalidRequestError` naming the first field the worker cannot run."""
-        num_prompt = len(self.prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("prompt", "must contain at least one token")
-        if num_prompt >= max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{num_prompt} tokens leave no room in the model's context of {max_model_len}"
-            )
-        bad_ids = [t for t in self.prompt_token_ids if not 0 <= t < vocab_size]
-        if bad_ids:
-            raise InvalidRequestError("prompt", f"ids outside the vocabulary of {vocab_size}: {bad_ids[:5]}")
+        check_prompt(self.prompt_token_ids, vocab_size=vocab_size, max_model_len=max_model_len)
         self.sampling.validate(
-            vocab_size=vocab_size, max_model_len=max_model_len, num_prompt_tokens=num_prompt
+            vocab_size=vocab_size, max_model_len=max_model_len, num_prompt_tokens=len(self.prompt_token_ids)
         )
         if len(self.resumed_token_ids) >= self.sampling.max_tokens:
             raise InvalidRequestError(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from wire.errors import InvalidRequestError
+from wire.prompt import check_prompt
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
@@ -62,7 +63,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.runner = runner
         self.model_config = model_config
-        self.max_model_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 30)
+        self.max_model_len = config.context_limit(model_config.max_position_embeddings)
         self.policies = policies or WorkerPolicies.baseline()
         self.kv_cache = KVCacheManager(
             num_kv_blocks, config.block_size, config.enable_prefix_caching, self.policies.eviction
@@ -128,15 +129,8 @@ class Engine:
             if isinstance(prompt, str)
             else list(prompt)
         )
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "must contain at least one token")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{len(prompt_ids)} tokens do not fit the model's context of {self.max_model_len}"
-            )
+        check_prompt(prompt_ids, vocab_size=vocab, max_model_len=self.max_model_len)
         params.validate(vocab_size=vocab, max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_ids))
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._states:

@@ -1,19 +1,22 @@
-"""Gateway.place (primary or fallback, once per request) and routing through the configured policy, on a
-real Dispatcher whose registry is fed Register messages directly (no worker processes)."""
+"""Gateway.place (primary or fallback, once per request), place_prompts (the fallback kept only when it can
+run the prompts) and routing through the configured policy, on a real Dispatcher whose registry is fed
+Register messages directly (no worker processes)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
 from gateway.dispatch import Dispatcher
+from gateway.endpoint import Prompts
+from gateway.placement import place_prompts
 from gateway.state import Gateway, Placement
-from gateway.tokenizer import BytePromptBuilder
+from gateway.tokenizer import BytePromptBuilder, PromptBuilder
 from gateway.workers import RoutingError, WorkerRegistry
 from policies.base import NoParams
 from policies.degradation import DegradationView, Pool
@@ -64,14 +67,15 @@ def register(worker_id: str, model: str) -> Register:
     )
 
 
-async def make_gateway(tmp_path: Path) -> Gateway:
+async def make_gateway(tmp_path: Path, *, same_tokenizer: bool = True) -> Gateway:
     (tmp_path / "tierserve.toml").write_text(CONFIG)
     config = load_config(tmp_path / "tierserve.toml", env={})
     dispatcher = Dispatcher("tcp://127.0.0.1:0")
     for worker_id, model in (("big-0", "big"), ("small-0", "small")):
         dispatcher.registry.on_register(register(worker_id, model), 0.0)
     builder = BytePromptBuilder()
-    return Gateway(dispatcher, config, {"big": builder, "small": builder}, 0, fallbacks={"big": "small"})
+    small = builder if same_tokenizer else BytePromptBuilder()  # another object: "another tokenizer"
+    return Gateway(dispatcher, config, {"big": builder, "small": small}, 0, fallbacks={"big": "small"})
 
 
 def test_degradable_tiers_go_to_the_fallback_when_the_primary_is_full_or_down(tmp_path: Path) -> None:
@@ -173,3 +177,94 @@ def test_a_second_fallback_pool_is_a_config_error_naming_it(tmp_path: Path) -> N
     )
     with pytest.raises(ConfigError, match=r"models\.pools\[2\]\.role: only one pool"):
         load_config(tmp_path / "tierserve.toml", env={})
+
+
+class CountingPrompts:
+    """Prompts whose tokens are ``length`` ones, whichever builder; records which builders were used."""
+
+    def __init__(self, length: int, *, has_token_ids: bool = False) -> None:
+        self.length = length
+        self.builders: list[PromptBuilder] = []
+        self.on_tokenize: Callable[[], None] = lambda: None
+        self.has_token_ids = has_token_ids
+
+    async def tokenize(self, builder: PromptBuilder) -> list[list[int]]:
+        self.builders.append(builder)
+        self.on_tokenize()
+        return [[1] * self.length]
+
+    def prompts(self) -> Prompts:
+        return Prompts("prompt", [], 1, self.has_token_ids, self.tokenize)
+
+
+@pytest.mark.parametrize(
+    ("length", "has_token_ids", "is_same_tokenizer", "expected", "tokenized_for"),
+    [
+        (10, False, True, Placement("small", "big", is_degraded=True), ["small"]),
+        (10, False, False, Placement("small", "big", is_degraded=True), ["small"]),
+        (10, True, True, Placement("small", "big", is_degraded=True), ["small"]),
+        # Token ids from the primary's tokenizer mean nothing to another one: never tokenized for it.
+        (10, True, False, Placement("big", "big"), ["big"]),
+        # Too long for the fallback's context (512): the primary, and its own tokens when they differ.
+        (600, False, True, Placement("big", "big"), ["small"]),
+        (600, False, False, Placement("big", "big"), ["small", "big"]),
+        (600, True, True, Placement("big", "big"), ["small"]),
+    ],
+)
+def test_a_proposed_fallback_is_kept_only_when_it_can_run_the_prompts_as_they_are(
+    tmp_path: Path,
+    length: int,
+    has_token_ids: bool,
+    is_same_tokenizer: bool,
+    expected: Placement,
+    tokenized_for: list[str],
+) -> None:
+    async def main() -> None:
+        gateway = await make_gateway(tmp_path, same_tokenizer=is_same_tokenizer)
+        gateway.degradation = AlwaysFallback()
+        prompts = CountingPrompts(length, has_token_ids=has_token_ids)
+        try:
+            tier = gateway.config.tier("interactive")
+            placement, prompt_ids = await place_prompts(gateway, "big", tier, prompts.prompts(), seats=1)
+            assert placement == expected and prompt_ids == [[1] * length]
+            names = {id(builder): name for name, builder in gateway.builders.items()}
+            if is_same_tokenizer:
+                assert len(prompts.builders) == len(tokenized_for) == 1
+            else:
+                assert [names[id(b)] for b in prompts.builders] == tokenized_for
+            # The primary itself is never second-guessed: tokenized once, for it.
+            standard = CountingPrompts(length, has_token_ids=has_token_ids)
+            primary = await place_prompts(gateway, "big", gateway.config.tier("standard"), standard.prompts(),
+                                          seats=1)  # fmt: skip
+            assert primary[0] == Placement("big", "big") and standard.builders == [gateway.builders["big"]]
+        finally:
+            await gateway.dispatcher.close()
+
+    asyncio.run(main())
+
+
+def test_a_fallback_that_dies_while_the_prompt_is_tokenized_is_not_used(tmp_path: Path) -> None:
+    """The policy looked at a ready fallback; by the time the tokens are known it is gone. The check that
+    measures the prompt against the fallback's ready workers is the one that catches it."""
+
+    async def main() -> None:
+        gateway = await make_gateway(tmp_path, same_tokenizer=False)
+        gateway.degradation = AlwaysFallback()
+        prompts = CountingPrompts(10)
+        registry = gateway.dispatcher.registry
+
+        def fallback_dies() -> None:
+            if len(prompts.builders) == 1:
+                registry.expire(now=100.0, timeout_s=3.0)
+                registry.on_register(register("big-0", "big"), 100.0)
+
+        prompts.on_tokenize = fallback_dies
+        try:
+            tier = gateway.config.tier("interactive")
+            placement, _ = await place_prompts(gateway, "big", tier, prompts.prompts(), seats=1)
+            assert placement == Placement("big", "big")
+            assert prompts.builders == [gateway.builders["small"], gateway.builders["big"]]
+        finally:
+            await gateway.dispatcher.close()
+
+    asyncio.run(main())

@@ -280,7 +280,7 @@ def test_submit_validate_names_the_field_at_fault() -> None:
         assert info.value.field == field
 
 
-@pytest.mark.parametrize("module", ["messages", "codec"])
+@pytest.mark.parametrize("module", ["messages", "codec", "prompt"])
 def test_wire_imports_only_msgspec_stdlib_and_wire(module: str) -> None:
     tree = ast.parse((Path(__file__).parents[2] / "wire" / f"{module}.py").read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -1,0 +1,97 @@
+"""What differs between ``/v1/chat/completions`` and ``/v1/completions``, as data; the rest is one path.
+
+    body ─▶ decode ─▶ Prompts (chat: the messages, one prompt; completions: texts or token ids, one or more)
+         ─▶ tokenize(builder of the placed model) ─▶ renderer (chat.completion or text_completion shapes)
+
+gateway/app.py runs both through one handler, gateway/placement.py places both the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from gateway.errors import APIError
+from gateway.logprobs import TokenTexts
+from gateway.openai_api import (
+    ChatCompletionRequest,
+    ChatRenderer,
+    CompletionRenderer,
+    CompletionRequest,
+    Renderer,
+    decode_chat,
+    decode_completion,
+)
+from gateway.tokenizer import PromptBuilder, TemplateError, chat_ids_async, text_ids_async
+
+Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompts:
+    """What one request asks to complete, before it is tokenized for the model it is placed on."""
+
+    param: str  # the body field they came from, which errors about them name
+    content: object  # as the client sent them, for the span when content capture is on
+    num_prompts: int  # each one runs ``n`` choices
+    has_token_ids: bool  # sent as token ids: only the tokenizer that made them can run them
+    tokenize: Callable[[PromptBuilder], Awaitable[list[list[int]]]]  # in a thread, never on the loop
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint(Generic[Body]):
+    path: str
+    decode: Callable[[bytes], Body]  # raises InvalidRequestError naming the field
+    prompts: Callable[[Body, int], Prompts]  # at most that many prompts; raises InvalidRequestError
+    wants_logprobs: Callable[[Body], bool]
+    renderer: Callable[[str, str, bool, TokenTexts | None], Renderer]  # (id, model, usage?, logprob texts)
+    id_prefix: str  # of the response's id
+    operation: str  # gen_ai.operation.name
+
+
+def chat_prompts(body: ChatCompletionRequest, max_prompts: int) -> Prompts:
+    """The messages, content flattened to text, as one prompt through the model's chat template."""
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+
+    async def tokenize(builder: PromptBuilder) -> list[list[int]]:
+        try:
+            return [await chat_ids_async(builder, messages)]
+        except TemplateError as exc:
+            raise APIError(400, f"messages: {exc}", param="messages") from None
+
+    return Prompts("messages", messages, 1, False, tokenize)
+
+
+def completion_prompts(body: CompletionRequest, max_prompts: int) -> Prompts:
+    """Text prompts, or token-id prompts taken as they are."""
+    prompts = body.prompts(max_prompts)
+
+    async def tokenize(builder: PromptBuilder) -> list[list[int]]:
+        return [
+            await text_ids_async(builder, prompt) if isinstance(prompt, str) else list(prompt)
+            for prompt in prompts
+        ]
+
+    has_token_ids = any(not isinstance(prompt, str) for prompt in prompts)
+    return Prompts("prompt", prompts, len(prompts), has_token_ids, tokenize)
+
+
+CHAT = Endpoint(
+    path="/v1/chat/completions",
+    decode=decode_chat,
+    prompts=chat_prompts,
+    wants_logprobs=lambda body: body.logprobs,
+    renderer=ChatRenderer,
+    id_prefix="chatcmpl",
+    operation="chat",
+)
+COMPLETIONS = Endpoint(
+    path="/v1/completions",
+    decode=decode_completion,
+    prompts=completion_prompts,
+    wants_logprobs=lambda body: body.logprobs is not None,  # the legacy API: a count, 0 included
+    renderer=CompletionRenderer,
+    id_prefix="cmpl",
+    operation="text_completion",
+)

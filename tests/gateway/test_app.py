@@ -1,0 +1,82 @@
+"""The HTTP front's one completion path: both endpoints refuse what a client got wrong with the same
+statuses and messages, before any work is queued (httpx's ASGI transport; a registry fed Register
+messages directly, no worker processes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.dispatch import Dispatcher
+from gateway.state import Gateway
+from gateway.tokenizer import BytePromptBuilder
+from wire.config import ServerConfig
+from wire.messages import Register
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+CONTEXT = 128
+
+
+def register(vocab_size: int) -> Register:
+    return Register(worker_id="mock-0", model="mock", dtype="float32", device="cpu", num_kv_blocks=64,
+                    block_size=16, kv_capacity_tokens=1024, max_model_len=CONTEXT, max_num_seqs=4,
+                    vocab_size=vocab_size, pid=1)  # fmt: skip
+
+
+def post(path: str, body: dict[str, object], *, vocab_size: int = 300) -> httpx.Response:
+    async def main() -> httpx.Response:
+        dispatcher = Dispatcher("tcp://127.0.0.1:0")
+        dispatcher.registry.on_register(register(vocab_size), 0.0)
+        gateway = Gateway(dispatcher, ServerConfig(), {"mock": BytePromptBuilder()}, 0)
+        try:
+            transport = httpx.ASGITransport(app=create_app(gateway))
+            async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+                return await http.post(path, json={"model": "mock", **body})
+        finally:
+            await dispatcher.close()
+
+    return asyncio.run(main())
+
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "message"),
+    [
+        (CHAT, {"messages": MSG, "model": "gpt-17"}, 404, "model", "model 'gpt-17' is not served here"),
+        (COMPLETIONS, {"prompt": "hi", "model": "gpt-17"}, 404, "model", "model 'gpt-17' is not served here"),
+        (CHAT, {"messages": MSG, "n": 0}, 400, "n", "n: must be between 1 and 8, got 0"),
+        (COMPLETIONS, {"prompt": "hi", "n": 9}, 400, "n", "n: must be between 1 and 8, got 9"),
+        (COMPLETIONS, {"prompt": ""}, 400, "prompt", "prompt: must contain at least one token"),
+        (COMPLETIONS, {"prompt": ["a", ""]}, 400, "prompt", "prompt: must contain at least one token"),
+        (COMPLETIONS, {"prompt": [5, 10**6]}, 400, "prompt",
+         "prompt: token ids outside the vocabulary: [1000000]"),
+        (COMPLETIONS, {"prompt": "x" * CONTEXT}, 400, "prompt",
+         f"prompt: {CONTEXT} tokens leave no room in the model's context of {CONTEXT} tokens"),
+        (CHAT, {"messages": [{"role": "user", "content": "x" * CONTEXT}]}, 400, "messages",
+         "messages: "),
+        (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "top_logprobs: needs logprobs"),
+        (CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens", "max_tokens: must be at least 1"),
+        (COMPLETIONS, {"prompt": [[1], "a"]}, 400, "prompt", "prompt: a list must be all strings"),
+    ],
+)  # fmt: skip
+def test_both_endpoints_refuse_a_bad_request_before_any_work(
+    path: str, body: dict[str, object], status: int, param: str, message: str
+) -> None:
+    response = post(path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(message), error
+
+
+def test_a_chat_prompt_outside_the_workers_vocabulary_names_messages() -> None:
+    """Both of the gateway's prompt errors now name the field the client wrote (it used to say "prompt"
+    for this one on a chat request)."""
+    error = post(CHAT, {"messages": MSG}, vocab_size=50).json()["error"]
+    assert error["param"] == "messages"
+    assert error["message"].startswith("messages: token ids outside the vocabulary: [")
