@@ -68,6 +68,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
     user: str | None = None
     # vLLM's extensions to the OpenAI body, which benchmark tools and clients of vLLM send; accepted
     # under the same names and meanings (top_k 0 or -1: off, as in vLLM).
@@ -104,7 +105,20 @@ class _Sampling(msgspec.Struct, kw_only=True):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """OpenAI's map of token ids (JSON object keys, so strings) to biases; ids and ranges are
+        checked by ``SamplingParams.validate`` against the model's vocabulary."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key!r}") from None
+            pairs.append((token_id, float(value)))
+        return tuple(pairs)
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

@@ -130,6 +130,22 @@ def test_completions_non_stream_and_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 25
 
 
+def test_logit_bias_reaches_the_sampler(client: openai.OpenAI) -> None:
+    """+100 on one byte's token makes every greedy token that byte; -100 on the mock's own next
+    token makes the first one something else."""
+    forced = TOKENIZER.encode("Z")[0]
+    text = client.completions.create(
+        model="mock", prompt="Once", max_tokens=6, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert text.choices[0].text == "Z" * 6
+    ids = TOKENIZER.encode("Once")
+    first = TOKENIZER.encode(expected_text(ids, 1))[0]
+    banned = client.completions.create(
+        model="mock", prompt="Once", max_tokens=1, temperature=0, logit_bias={str(first): -100}
+    )
+    assert banned.choices[0].text != expected_text(ids, 1)
+
+
 def test_stop_string_ends_the_text(client: openai.OpenAI) -> None:
     ids = chat_ids("stop test")
     full = expected_text(ids, 40)
