@@ -52,7 +52,7 @@ class Endpoint(Generic[Body]):
 
 def chat_prompts(body: ChatCompletionRequest, max_prompts: int) -> Prompts:
     """The messages, content flattened to text, as one prompt through the model's chat template."""
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
 
     async def tokenize(builder: PromptBuilder) -> list[list[int]]:
         try:

@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -32,9 +32,23 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str = ""
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Known OpenAI fields not served yet: refused by name rather than dropped (a client that sends them
+# relies on them: an agent parsing tool calls or JSON must not get free text with a 200).
+# tool_choice "none" and parallel_tool_calls without tools ask for nothing, so they are taken.
+UNSUPPORTED_CHAT_FIELDS = ("tools", "functions", "function_call")
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls (refused until tools are served)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def template_role(self) -> str:
+        """The role as chat templates know it: ``developer`` (OpenAI's newer name) is ``system``."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         """Content as one string: parts of type text joined (images and audio are not served)."""
@@ -121,11 +135,42 @@ class _Sampling(msgspec.Struct, kw_only=True):
         return tuple(pairs)
 
 
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str = "text"
+
+
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def check_supported(self) -> None:
+        """Roles known; fields this server does not serve yet refused by name, never dropped."""
+        for i, message in enumerate(self.messages):
+            if message.role not in ROLES:
+                raise InvalidRequestError(
+                    f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {message.role!r}"
+                )
+            if message.role == "tool" or message.tool_calls:
+                raise InvalidRequestError(
+                    f"messages[{i}]", "tool calls and tool messages are not supported yet by this server"
+                )
+        for name in UNSUPPORTED_CHAT_FIELDS:
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(name, "tool calling is not supported yet by this server")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice", "tool calling is not supported yet by this server")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError(
+                "response_format", f"type {self.response_format.type!r} is not supported yet (only 'text')"
+            )
 
     def to_sampling(self, room: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -193,6 +238,7 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
     request = _decode(body, ChatCompletionRequest)
     if not request.messages:
         raise InvalidRequestError("messages", "must contain at least one message")
+    request.check_supported()
     return request
 
 

@@ -130,6 +130,20 @@ def test_completions_non_stream_and_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 25
 
 
+def test_a_developer_message_is_a_system_message(client: openai.OpenAI) -> None:
+    """OpenAI's newer role name: rendered as ``system`` by the chat template, as clients expect."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ids = TOKENIZER.apply_chat_template(messages)
+    assert isinstance(ids, list)
+    completion = client.chat.completions.create(
+        model="mock",
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert completion.choices[0].message.content == expected_text(ids, 8)
+
+
 def test_logit_bias_reaches_the_sampler(client: openai.OpenAI) -> None:
     """+100 on one byte's token makes every greedy token that byte; -100 on the mock's own next
     token makes the first one something else."""
