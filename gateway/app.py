@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway import errors
+from gateway import errors, tokenize_api
 from gateway.completion import Choice, Job, respond
 from gateway.drain import DrainMiddleware
 from gateway.endpoint import CHAT, COMPLETIONS, Body, Endpoint
@@ -81,6 +81,18 @@ def create_app(gateway: Gateway) -> Starlette:
             return Response("no ready worker\n", status_code=503, media_type="text/plain")
         return Response(f"{num_ready} workers ready\n", media_type="text/plain")
 
+    async def tokenize(request: Request) -> Response:
+        identify(gateway.config, request.headers)  # the completion routes' keys
+        raw = await _read_body(request, gateway.config.gateway.max_body_bytes)
+        body = _parse(tokenize_api.decode_tokenize, raw)
+        return _json(await _checked(tokenize_api.tokenize(gateway, body)))
+
+    async def detokenize(request: Request) -> Response:
+        identify(gateway.config, request.headers)
+        raw = await _read_body(request, gateway.config.gateway.max_body_bytes)
+        body = _parse(tokenize_api.decode_detokenize, raw)
+        return _json(await _checked(tokenize_api.detokenize(gateway, body)))
+
     async def metrics(request: Request) -> Response:
         return Response(gateway.metrics.registry.render(), media_type=METRICS_CONTENT_TYPE)
 
@@ -100,6 +112,8 @@ def create_app(gateway: Gateway) -> Starlette:
         routes=[
             *(completion_route(endpoint) for endpoint in ENDPOINTS),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -228,6 +242,13 @@ def _sampling(
 def _check(thunk: Callable[[], T]) -> T:
     try:
         return thunk()
+    except InvalidRequestError as exc:
+        raise errors.invalid(exc) from None
+
+
+async def _checked(call: Awaitable[T]) -> T:
+    try:
+        return await call
     except InvalidRequestError as exc:
         raise errors.invalid(exc) from None
 

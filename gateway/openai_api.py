@@ -135,6 +135,19 @@ class _Sampling(msgspec.Struct, kw_only=True):
         return tuple(pairs)
 
 
+def check_messages(messages: Sequence[ChatMessage]) -> None:
+    """Each message's role known (``messages[i].role`` named otherwise); tool messages refused."""
+    for i, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {message.role!r}"
+            )
+        if message.role == "tool" or message.tool_calls:
+            raise InvalidRequestError(
+                f"messages[{i}]", "tool calls and tool messages are not supported yet by this server"
+            )
+
+
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str = "text"
 
@@ -153,15 +166,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     def check_supported(self) -> None:
         """Roles known; fields this server does not serve yet refused by name, never dropped."""
-        for i, message in enumerate(self.messages):
-            if message.role not in ROLES:
-                raise InvalidRequestError(
-                    f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {message.role!r}"
-                )
-            if message.role == "tool" or message.tool_calls:
-                raise InvalidRequestError(
-                    f"messages[{i}]", "tool calls and tool messages are not supported yet by this server"
-                )
+        check_messages(self.messages)
         for name in UNSUPPORTED_CHAT_FIELDS:
             if getattr(self, name) is not None:
                 raise InvalidRequestError(name, "tool calling is not supported yet by this server")
@@ -221,7 +226,8 @@ _MISSING = re.compile(r"missing required field `([^`]*)`")
 T = TypeVar("T")
 
 
-def _decode(body: bytes, kind: type[T]) -> T:
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """``body`` as ``kind``; a field that does not fit is an InvalidRequestError naming its path."""
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
@@ -235,7 +241,7 @@ def _decode(body: bytes, kind: type[T]) -> T:
 
 
 def decode_chat(body: bytes) -> ChatCompletionRequest:
-    request = _decode(body, ChatCompletionRequest)
+    request = decode_body(body, ChatCompletionRequest)
     if not request.messages:
         raise InvalidRequestError("messages", "must contain at least one message")
     request.check_supported()
@@ -243,7 +249,7 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
-    return _decode(body, CompletionRequest)
+    return decode_body(body, CompletionRequest)
 
 
 # ---------------------------------------------------------------- responses

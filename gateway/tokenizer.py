@@ -24,7 +24,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from wire.byte_tokenizer import BYTE_OFFSET, ByteTokenizer, token_name
+from wire.byte_tokenizer import BYTE_OFFSET, VOCAB_SIZE, ByteTokenizer, token_name
 
 Message = Mapping[str, str]  # {"role": ..., "content": ...}, content already flattened to text
 
@@ -40,9 +40,16 @@ _SPECIAL_TOKEN_KEYS = (
 
 
 class PromptBuilder(Protocol):
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]: ...
+    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]: ...
 
-    def text_ids(self, text: str) -> list[int]: ...
+    def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens included (``/detokenize``)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes one token stands for (logprobs report them), perhaps part of a character."""
@@ -55,14 +62,23 @@ class BytePromptBuilder:
     def __init__(self) -> None:
         self._tokenizer = ByteTokenizer()
 
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
-        ids = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        ids = self._tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
         assert isinstance(ids, list)
         return ids
 
-    def text_ids(self, text: str) -> list[int]:
-        # As Engine.add_request encodes a string prompt: no special tokens added.
-        return self._tokenizer.encode(text, add_special_tokens=False)
+    def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # As Engine.add_request encodes a string prompt: no special tokens added (by default).
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB_SIZE
 
     def token_bytes(self, token_id: int) -> bytes:
         if token_id >= BYTE_OFFSET:
@@ -91,16 +107,25 @@ class HFPromptBuilder:
         self._special_tokens = {key: _token_text(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
         self._byte_level = type(self._tokenizer.decoder).__name__ == "ByteLevel"
 
-    def render(self, messages: Sequence[Message]) -> str:
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         return self._template.render(
-            messages=[dict(m) for m in messages], add_generation_prompt=True, **self._special_tokens
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            **self._special_tokens,
         )
 
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
-        return self.text_ids(self.render(messages))
+    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        return self.text_ids(self.render(messages, add_generation_prompt))
 
-    def text_ids(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+    def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
     def token_bytes(self, token_id: int) -> bytes:
         piece = self._tokenizer.id_to_token(token_id)

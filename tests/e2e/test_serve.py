@@ -130,6 +130,43 @@ def test_completions_non_stream_and_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 25
 
 
+def test_tokenize_and_detokenize_as_vllm_shapes_them(base_url: str) -> None:
+    prompt = "Once upon a time"
+    got = httpx.post(f"{base_url}/tokenize", json={"model": "mock", "prompt": prompt}, timeout=10).json()
+    ids = TOKENIZER.encode(prompt)
+    assert got == {
+        "count": len(ids),
+        "max_model_len": got["max_model_len"],
+        "tokens": ids,
+        "token_strs": None,
+    }
+    assert got["max_model_len"] > len(ids)
+    chat = httpx.post(
+        f"{base_url}/tokenize",
+        json={"model": "mock", "messages": [{"role": "user", "content": "Hi"}], "return_token_strs": True},
+        timeout=10,
+    ).json()
+    assert chat["tokens"] == chat_ids("Hi") and len(chat["token_strs"]) == chat["count"]
+    back = httpx.post(f"{base_url}/detokenize", json={"model": "mock", "tokens": ids}, timeout=10).json()
+    assert back == {"prompt": prompt}
+    for path, body, param in [
+        ("/tokenize", {"model": "mock"}, "prompt"),
+        ("/tokenize", {"model": "mock", "prompt": "a", "messages": []}, "prompt"),
+        ("/tokenize", {"model": "mock", "prompt": "a", "add_bos": True}, "body"),
+        (
+            "/tokenize",
+            {"model": "mock", "messages": [{"role": "wizard", "content": "a"}]},
+            "messages[0].role",
+        ),
+        ("/detokenize", {"model": "mock", "tokens": [1, 10**6]}, "tokens"),
+    ]:
+        response = httpx.post(f"{base_url}{path}", json=body, timeout=10)
+        assert response.status_code == 400, (path, body, response.text)
+        assert response.json()["error"]["param"] == param
+    unknown = httpx.post(f"{base_url}/detokenize", json={"model": "gpt-17", "tokens": [1]}, timeout=10)
+    assert unknown.status_code == 404
+
+
 def test_a_developer_message_is_a_system_message(client: openai.OpenAI) -> None:
     """OpenAI's newer role name: rendered as ``system`` by the chat template, as clients expect."""
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -58,6 +59,26 @@ def test_chat_matches_in_process_engine(model_url: str) -> None:
     text = completion.choices[0].message.content
     assert text, "the model answered nothing"
     assert text == engine_text()
+
+
+@pytest.mark.slow
+@needs_model
+def test_tokenize_counts_what_the_chat_endpoint_feeds_the_model(model_url: str) -> None:
+    from transformers import AutoTokenizer
+
+    folder = resolve_model(DEFAULT_MODEL_PATH)
+    got = httpx.post(f"{model_url}/tokenize", json={"model": DEFAULT_MODEL, "messages": MESSAGES}, timeout=30)
+    assert got.json()["tokens"] == HFPromptBuilder(folder).chat_ids(MESSAGES)
+    hf = AutoTokenizer.from_pretrained(folder)
+    text = "The harbour master kept a board"
+    ids = httpx.post(
+        f"{model_url}/tokenize", json={"model": DEFAULT_MODEL, "prompt": text}, timeout=30
+    ).json()
+    assert ids["tokens"] == hf.encode(text, add_special_tokens=False)
+    back = httpx.post(
+        f"{model_url}/detokenize", json={"model": DEFAULT_MODEL, "tokens": ids["tokens"]}, timeout=30
+    )
+    assert back.json() == {"prompt": text}
 
 
 @pytest.mark.slow

@@ -1,0 +1,102 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``: a prompt's token ids as this server feeds them, and back.
+
+    POST /tokenize    {"model", "prompt", "add_special_tokens": false}            a completion prompt
+                      {"model", "messages", "add_generation_prompt": true}        a chat, templated
+                   -> {"count", "max_model_len", "tokens", "token_strs"}
+    POST /detokenize  {"model", "tokens"} -> {"prompt"}
+
+The request and response shapes are vLLM's. Tokens are counted as ``/v1/completions`` and
+``/v1/chat/completions`` would feed them to the model (no special tokens added to a text prompt unless
+``add_special_tokens``); ``max_model_len`` is the longest context of the model's workers. The same API
+keys as the completion routes; unknown fields are a 400, not ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+
+from gateway.errors import APIError
+from gateway.openai_api import ChatMessage, check_messages, decode_body
+from gateway.state import Gateway
+from wire.errors import InvalidRequestError
+
+MAX_DETOKENIZE_TOKENS = 1 << 20
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("prompt", "give either prompt or messages")
+        if self.messages is not None:
+            if not self.messages:
+                raise InvalidRequestError("messages", "must contain at least one message")
+            check_messages(self.messages)
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # each token's bytes as text (invalid UTF-8 replaced)
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+def decode_tokenize(raw: bytes) -> TokenizeRequest:
+    body = decode_body(raw, TokenizeRequest)
+    body.check()
+    return body
+
+
+def decode_detokenize(raw: bytes) -> DetokenizeRequest:
+    return decode_body(raw, DetokenizeRequest)
+
+
+async def tokenize(gateway: Gateway, body: TokenizeRequest) -> TokenizeResponse:
+    builder = gateway.builder(body.model)  # 404 for a model not served here
+    max_model_len = _max_model_len(gateway, body.model)
+    if body.messages is not None:
+        messages: list[Any] = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
+        ids = await asyncio.to_thread(builder.chat_ids, messages, body.add_generation_prompt)
+    else:
+        assert body.prompt is not None
+        ids = await asyncio.to_thread(builder.text_ids, body.prompt, body.add_special_tokens)
+    strs = None
+    if body.return_token_strs:
+        strs = [builder.token_bytes(t).decode("utf-8", "replace") for t in ids]
+    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
+
+
+async def detokenize(gateway: Gateway, body: DetokenizeRequest) -> DetokenizeResponse:
+    builder = gateway.builder(body.model)
+    if len(body.tokens) > MAX_DETOKENIZE_TOKENS:
+        raise InvalidRequestError("tokens", f"at most {MAX_DETOKENIZE_TOKENS} tokens")
+    vocab = builder.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError("tokens", f"token ids outside the vocabulary: {bad[:5]}")
+    return DetokenizeResponse(prompt=await asyncio.to_thread(builder.decode, body.tokens))
+
+
+def _max_model_len(gateway: Gateway, model: str) -> int:
+    known = [w.register.max_model_len for w in gateway.dispatcher.registry if w.model == model]
+    if not known:
+        raise APIError(503, f"no worker of model {model!r} has registered yet", code="no_worker_available")
+    return max(known)
