@@ -6,21 +6,15 @@
           migrate, or WorkerLost ◀── expiry task (no message for heartbeat_timeout_s, or requests
                                      but no engine step for hang_timeout_s), or a new pid registers
 
-Migration: a lost worker's requests are re-sent to a healthy worker of the same model as
-``Submit(epoch + 1, resumed_token_ids = every token already queued for the client)``. The worker
-treats those tokens as generated and sends only what follows, so the stream goes on with nothing lost
-or repeated (exactly so for greedy sampling); the old worker's late deltas carry the old epoch and are
-dropped (and answered with an Abort). After ``max_migrations`` moves, or with no healthy worker left,
-the stream ends with WorkerLost (the client sees an error event), never a hang.
-
-Everything runs on one event loop, so nothing here is locked. Sends are never awaited: they go out with
-DONTWAIT and either succeed at once or fail (ROUTER_MANDATORY turns "that worker is gone" into an error
-instead of a silent drop), which lets a cancelled consumer send its Abort from inside its cancellation.
+The pieces: the socket (gateway/worker_socket.py: sends never wait, so a cancelled consumer can send
+its Abort from inside its cancellation); the in-flight table (gateway/in_flight.py), the one record of
+which request runs on which worker, which the registry reads too; and failover (gateway/failover.py):
+a lost worker's requests move to another worker with ``epoch + 1``, resuming after what the client
+has, or end with WorkerLost. Everything runs on one event loop, so nothing here is locked.
 
 Trust: a frame is only believed from the connection it claims to come from (the ROUTER identity must be
 the worker id it names, and a delta must come from the worker its request was sent to, with the current
-epoch); anything else is counted and dropped. With CURVE (``gateway.curve_*``, gateway/link_security.py)
-only workers holding an authorized key get a link at all; without it, identities are not authenticated.
+epoch); anything else is counted and dropped. Links are authenticated only with CURVE (the socket's).
 """
 
 from __future__ import annotations
@@ -29,14 +23,15 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeAlias
 
-import msgspec
 import zmq
-import zmq.asyncio
 
-from gateway.link_security import CurveServer, CurveServerKeys
+from gateway.failover import Failover
+from gateway.in_flight import InFlightTable
+from gateway.link_security import CurveServerKeys
 from gateway.request_stream import (
     DispatcherClosed,
     DispatchError,
@@ -46,9 +41,10 @@ from gateway.request_stream import (
     WorkerLost,
     WorkerRejected,
 )
+from gateway.worker_socket import WorkerSocket
 from gateway.workers import PromptKey, RoutingError, WorkerInfo, WorkerRegistry, WorkerState
 from policies.routing import RouteRequest, RoutingPolicy
-from wire.codec import MAX_FRAME_BYTES, DecodeStats, encode, worker_message_decoder
+from wire.codec import DecodeStats, encode, worker_message_decoder
 from wire.messages import (
     Abort,
     DrainNotice,
@@ -79,9 +75,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-LINGER_MS = 200  # on close: long enough to flush the Aborts of in-flight requests
-ZMTP_HEARTBEAT_IVL_MS = 1000  # libzmq notices a half-open TCP link on its own, as the worker side does
-ZMTP_HEARTBEAT_TIMEOUT_MS = 5000
+# The worker messages that name their sender (all but Rejected, which is checked against its request).
+_Named: TypeAlias = Register | TokenBatch | Heartbeat | DrainNotice | KVEvents | KVSnapshot
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,7 +95,7 @@ class DispatchStats:
 
 
 class Dispatcher:
-    """Owns the ROUTER socket, the worker registry and the in-flight requests of this gateway."""
+    """Owns the ROUTER socket, the worker registry, the in-flight table and the failover of this gateway."""
 
     def __init__(
         self,
@@ -116,31 +111,31 @@ class Dispatcher:
         ``curve``: the ROUTER is a CURVE server letting in only the listed workers' keys (plain when
         None). The other three are ``gateway.heartbeat_timeout_s``, ``hang_timeout_s`` and
         ``max_migrations``."""
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.hang_timeout_s = hang_timeout_s
-        self.max_migrations = max_migrations
-        self.registry = WorkerRegistry(routing)
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker replaces its old pipe
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone worker raises, never drops
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self._sock.setsockopt(zmq.LINGER, LINGER_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_IVL_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
-        self._curve = CurveServer(self._ctx, self._sock, curve) if curve is not None else None
-        try:
-            self._sock.bind(bind)
-        except zmq.ZMQError:  # in use, or a bad address: free what we made, so the caller can report it
-            if self._curve is not None:
-                self._curve.stop()
-            self._sock.close(linger=0)
-            self._ctx.term()
-            raise
-        # The real endpoint: tcp://127.0.0.1:0 binds an ephemeral port that workers need to know.
-        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._in_flight = InFlightTable()  # the one record of which request runs where
+        self.registry = WorkerRegistry(routing, self._in_flight)
+        self._failover = Failover(
+            self.registry,
+            self._in_flight,
+            place=self._place,
+            send=self._send,
+            notify=self._notify,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            hang_timeout_s=hang_timeout_s,
+            max_migrations=max_migrations,
+        )
+        self._socket = WorkerSocket(bind, curve)
+        self.address = self._socket.address  # tcp://127.0.0.1:0 bound an ephemeral port: this is it
         self._decoder = worker_message_decoder()
-        self._requests: dict[str, InFlight] = {}
+        # One handler per worker message type, found by exact type (a TokenBatch comes every step).
+        self._handlers: dict[type, Callable[[bytes, Any, float], None]] = {
+            TokenBatch: self._on_token_batch,
+            Rejected: self._on_rejected,
+            KVEvents: self._on_kv_events,
+            KVSnapshot: self._on_kv_snapshot,
+            Heartbeat: self._on_heartbeat,
+            DrainNotice: self._on_drain,
+            Register: self._on_register,
+        }
         self._tasks: list[asyncio.Task[None]] = []
         self._changed = asyncio.Event()  # set and replaced whenever the registry or counters change
         self._listeners: list[Callable[[], None]] = []
@@ -148,19 +143,16 @@ class Dispatcher:
         self._num_dropped_multipart = 0
         self._num_dropped_unknown_peer = 0
         self._num_stale_deltas = 0
-        self._num_send_failures = 0
-        self._num_workers_lost = 0
-        self._num_migrations: dict[str, int] = {}
 
-    # ---- lifecycle ----------------------------------------------------------------------------
+    # ---- lifecycle and watching ---------------------------------------------------------------
 
     async def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="dispatch-receive"),
-            asyncio.create_task(self._expire_loop(), name="dispatch-expire"),
+            asyncio.create_task(self._failover.expire_loop(), name="dispatch-expire"),
         ]
-        if self._curve is not None:
-            self._tasks.append(asyncio.create_task(self._curve.watch(), name="dispatch-curve"))
+        if self._socket.curve is not None:
+            self._tasks.append(asyncio.create_task(self._socket.curve.watch(), name="dispatch-curve"))
 
     async def close(self) -> None:
         """Abort every in-flight request (their streams end with DispatcherClosed) and free the socket."""
@@ -170,13 +162,10 @@ class Dispatcher:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for request in list(self._requests.values()):
+        for request in self._in_flight:
             self._abort(request)
             request.queue.put_nowait(DispatcherClosed("the gateway's dispatcher is shutting down"))
-        if self._curve is not None:
-            self._curve.stop()
-        self._sock.close(linger=LINGER_MS)
-        self._ctx.term()
+        self._socket.close()
 
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
         """Return once ``predicate()`` holds, re-checked after every worker message but token batches;
@@ -198,20 +187,30 @@ class Dispatcher:
                 f"{num_ready()} of {n} workers of model {model!r} ready after {timeout_s} s"
             ) from None
 
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the loop, not awaited) whenever the registry may have changed."""
+        self._listeners.append(callback)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+        for callback in self._listeners:
+            callback()
+
     def stats(self) -> DispatchStats:
         count = self.registry.num_in_state
         return DispatchStats(
             num_workers_ready=count(WorkerState.READY),
             num_workers_draining=count(WorkerState.DRAINING),
             num_workers_dead=count(WorkerState.DEAD),
-            num_in_flight=len(self._requests),
+            num_in_flight=len(self._in_flight),
             decode=dataclasses.replace(self._decoder.stats),
             num_dropped_multipart=self._num_dropped_multipart,
             num_dropped_unknown_peer=self._num_dropped_unknown_peer,
             num_stale_deltas=self._num_stale_deltas,
-            num_send_failures=self._num_send_failures,
-            num_workers_lost=self._num_workers_lost,
-            num_migrations=dict(self._num_migrations),
+            num_send_failures=self._socket.num_send_failures,
+            num_workers_lost=self._failover.num_workers_lost,
+            num_migrations=dict(self._failover.num_migrations),
         )
 
     # ---- requests -----------------------------------------------------------------------------
@@ -232,7 +231,7 @@ class Dispatcher:
         :class:`NoWorkerAvailable` if there is none (or every one we tried turned out to be gone)."""
         if self._is_closed:
             raise DispatcherClosed("the gateway's dispatcher is closed")
-        if request_id in self._requests:
+        if request_id in self._in_flight:
             raise ValueError(f"request {request_id!r} is already in flight")
         submit = Submit(
             request_id=request_id,
@@ -246,12 +245,13 @@ class Dispatcher:
             arrival_time=time.time(),
         )
         request = InFlight(submit, model, "", asyncio.Queue(), context_class=context_class)
-        if not self._place(request, exclude=set()):
+        if not self._place(request):
             raise NoWorkerAvailable(model)
         return RequestStream(request, self._abort)
 
-    def _place(self, request: InFlight, exclude: set[str]) -> bool:
+    def _place(self, request: InFlight, exclude: Collection[str] = ()) -> bool:
         """Send ``request.submit`` to the best worker not in ``exclude``; False if none would take it."""
+        tried = set(exclude)
         frame = encode(request.submit)
         submit = request.submit
         route = RouteRequest(
@@ -263,106 +263,34 @@ class Dispatcher:
         )
         prompt = PromptKey(submit.prompt_token_ids, submit.resumed_token_ids, submit.cache_salt)
         while (
-            pick := self.registry.pick(request.model, exclude=exclude, request=route, prompt=prompt)
+            pick := self.registry.pick(request.model, exclude=tried, request=route, prompt=prompt)
         ) is not None:
-            worker = pick.worker
-            # Tracked before sending, so even an instant answer finds its queue.
-            request.worker_id = worker.worker_id
+            worker_id = pick.worker.worker_id
             request.route_scores = dict(pick.scores)
             request.expected_cached_tokens = pick.num_cached_tokens
-            self._requests[request.request_id] = request
-            worker.in_flight_ids.add(request.request_id)
-            if self._send_frame(worker.worker_id, frame):
+            self._in_flight.add(request, worker_id)  # before sending, so even an instant answer finds it
+            if self._socket.send(worker_id, frame):
                 return True
-            self._forget(request)
-            exclude.add(worker.worker_id)
+            self._in_flight.remove(request)
+            tried.add(worker_id)
         return False
 
     def _abort(self, request: InFlight) -> None:
-        if self._requests.get(request.request_id) is request:
-            self._forget(request)
+        """Stop ``request`` on its worker; a no-op once it is no longer in flight (finished, or moved)."""
+        if self._in_flight.remove(request):
             self._send(request.worker_id, Abort(request_id=request.request_id, epoch=request.submit.epoch))
 
-    def _forget(self, request: InFlight) -> None:
-        del self._requests[request.request_id]
-        worker = self.registry.get(request.worker_id)
-        if worker is not None:
-            worker.in_flight_ids.discard(request.request_id)
-
-    def _fail_over(self, request: InFlight, reason: str) -> None:
-        """The worker running ``request`` is gone: move the request to another worker, or end its
-        stream with WorkerLost when it may not move again or nowhere can take it."""
-        lost_worker_id = request.worker_id
-        self._forget(request)
-        why_not = self._migrate(request)
-        if why_not is not None:
-            log.warning("request %s not migrated: %s", request.request_id, why_not)
-            request.queue.put_nowait(WorkerLost(lost_worker_id, request.request_id, f"{reason}; {why_not}"))
-
-    def _migrate(self, request: InFlight) -> str | None:
-        """Re-send ``request`` with ``epoch + 1``, resuming after the tokens already queued for its
-        client; None once placed, else why it could not be."""
-        if request.num_migrations >= self.max_migrations:
-            return f"it already moved {request.num_migrations} times (gateway.max_migrations)"
-        submit = request.submit
-        if len(request.token_ids) >= submit.sampling.max_tokens:
-            # Its last token arrived without a finish (cannot happen with our workers): nothing to resume.
-            return "every token it may generate was already sent"
-        request.submit = msgspec.structs.replace(
-            submit, epoch=submit.epoch + 1, resumed_token_ids=list(request.token_ids)
-        )
-        request.num_migrations += 1
-        try:
-            placed = self._place(request, exclude=set())
-        except RoutingError:
-            log.exception("routing failed migrating request %s", request.request_id)
-            placed = False
-        if not placed:
-            return f"no healthy worker of model {request.model!r} to move it to"
-        self._num_migrations[request.model] = self._num_migrations.get(request.model, 0) + 1
-        log.info(
-            "request %s migrated to worker %s (epoch %d, resuming after %d tokens)",
-            request.request_id,
-            request.worker_id,
-            request.submit.epoch,
-            len(request.token_ids),
-        )
-        return None
-
-    def _on_worker_lost(self, worker: WorkerInfo, request_ids: set[str], reason: str) -> None:
-        self._num_workers_lost += 1
-        log.warning("worker %s lost (%s); %d requests in flight", worker.worker_id, reason, len(request_ids))
-        # A snapshot: a migration may place a request back on this worker (a new process that re-registered).
-        lost = list(request_ids)
-        request_ids.clear()
-        for request_id in lost:
-            request = self._requests.get(request_id)
-            if request is not None and request.worker_id == worker.worker_id:
-                # Best effort: a worker that was only stalled frees the blocks when it wakes.
-                self._send(worker.worker_id, Abort(request_id=request_id, epoch=request.submit.epoch))
-                self._fail_over(request, reason)
-
-    # ---- sockets ------------------------------------------------------------------------------
-
     def _send(self, worker_id: str, message: GatewayMessage) -> bool:
-        return self._send_frame(worker_id, encode(message))
+        return self._socket.send(worker_id, encode(message))
 
-    def _send_frame(self, worker_id: str, frame: bytes) -> bool:
-        if self._sock.closed:
-            return False
-        # DONTWAIT: pyzmq tries the send at once and hands back a finished future; nothing is awaited.
-        future = self._sock.send_multipart([worker_id.encode(), frame], flags=zmq.DONTWAIT)
-        error = future.exception() if isinstance(future, asyncio.Future) and future.done() else None
-        if error is not None:
-            self._num_send_failures += 1
-            log.warning("could not send to worker %s: %s", worker_id, error)
-            return False
-        return True
+    # ---- worker messages: decode, then one handler per type ----------------------------------
+    # Token batches and KV events come every engine step and wake nobody; the other messages, and
+    # every drop (a counter changed), notify.
 
     async def _receive_loop(self) -> None:
         while True:
             try:
-                parts = await self._sock.recv_multipart()
+                parts = await self._socket.recv()
             except zmq.ZMQError:
                 log.exception("the ROUTER socket failed; no more worker messages will arrive")
                 raise
@@ -370,34 +298,6 @@ class Dispatcher:
                 self._on_frames(parts, time.monotonic())
             except Exception:
                 log.exception("unexpected error handling a worker message; dropped")
-
-    async def _expire_loop(self) -> None:
-        # A quarter of the shorter timeout: a worker is ejected at most 1.25x its timeout after it stops.
-        interval_s = min(self.heartbeat_timeout_s, self.hang_timeout_s) / 4
-        while True:
-            await asyncio.sleep(interval_s)
-            now = time.monotonic()
-            silent = self.registry.expire(now, self.heartbeat_timeout_s)
-            for worker in silent:
-                self._on_worker_lost(
-                    worker, worker.in_flight_ids, f"no message for {self.heartbeat_timeout_s} s"
-                )
-            hung = self.registry.expire_hung(now, self.hang_timeout_s)
-            for worker in hung:
-                reason = f"requests but no engine step for {self.hang_timeout_s} s"
-                self._on_worker_lost(worker, worker.in_flight_ids, reason)
-            if silent or hung:
-                self._notify()
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (on the loop, not awaited) whenever the registry may have changed."""
-        self._listeners.append(callback)
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-        for callback in self._listeners:
-            callback()
 
     def _on_frames(self, parts: list[bytes], now: float) -> None:
         if len(parts) != 2:
@@ -409,48 +309,78 @@ class Dispatcher:
         if message is None:
             self._notify()
             return
-        if isinstance(message, Rejected):
-            self._on_rejected(identity, message, now)
+        self._handlers[type(message)](identity, message, now)
+
+    def _on_token_batch(self, identity: bytes, batch: TokenBatch, now: float) -> None:
+        if self._sender(identity, batch, now) is not None:
+            for delta in batch.deltas:
+                self._on_delta(batch.worker_id, delta)
+
+    def _on_delta(self, worker_id: str, delta: TokenDelta) -> None:
+        request = self._in_flight.get(delta.request_id)
+        if request is None or request.submit.epoch != delta.epoch or request.worker_id != worker_id:
+            self._num_stale_deltas += 1  # aborted, migrated, or finished: nobody waits for it
+            if delta.finish_reason is None:
+                # Still running there (an ejected worker that woke up, or our Abort was lost with the
+                # link): stop it. The epoch keeps this from touching a newer attempt on that worker.
+                self._send(worker_id, Abort(request_id=delta.request_id, epoch=delta.epoch))
             return
-        if message.worker_id.encode() != identity:
-            self._drop_unknown_peer(identity, type(message).__name__)
+        request.token_ids.extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            self._in_flight.remove(request)
+        request.queue.put_nowait(delta)
+
+    def _on_rejected(self, identity: bytes, message: Rejected, now: float) -> None:
+        # It names no worker: it must come from the one its request (at its epoch) was sent to.
+        request = self._in_flight.get(message.request_id)
+        if request is None or request.submit.epoch != message.epoch or request.worker_id.encode() != identity:
+            self._num_stale_deltas += 1
             return
-        if isinstance(message, TokenBatch):
-            if self.registry.touch(message.worker_id, now) is None:
-                self._drop_unknown_peer(identity, "TokenBatch")
-                return
-            for delta in message.deltas:
-                self._on_delta(message.worker_id, delta)
+        self.registry.touch(request.worker_id, now)
+        self._in_flight.remove(request)
+        # 503: the worker began draining after we picked it. It ran nothing, so the same Submit (same
+        # epoch) can go to another worker; the client never learns.
+        if message.status == 503:
+            try:
+                if self._place(request, exclude={request.worker_id}):
+                    return
+            except RoutingError:
+                log.exception("routing failed re-placing request %s", request.request_id)
+        request.queue.put_nowait(WorkerRejected(message.status, message.field, message.message))
+
+    def _on_kv_events(self, identity: bytes, events: KVEvents, now: float) -> None:
+        if (worker := self._sender(identity, events, now)) is not None:
+            worker.prefix.on_events(events)
+            self._resync_if_stale(worker, now)
+
+    def _on_kv_snapshot(self, identity: bytes, snapshot: KVSnapshot, now: float) -> None:
+        if (worker := self._sender(identity, snapshot, now)) is not None:
+            worker.prefix.on_snapshot(snapshot)
+            self._resync_if_stale(worker, now)
+
+    def _on_heartbeat(self, identity: bytes, heartbeat: Heartbeat, now: float) -> None:
+        if not self._is_from(identity, heartbeat):
             return
-        if isinstance(message, KVEvents | KVSnapshot):
-            # Every step's cache changes: routing reads them, nobody waits on them (no notify).
-            info = self.registry.touch(message.worker_id, now)
-            if info is None:
-                self._drop_unknown_peer(identity, type(message).__name__)
-            elif isinstance(message, KVEvents):
-                info.prefix.on_events(message)
-                self._resync_if_stale(info, now)
-            else:
-                info.prefix.on_snapshot(message)
-                self._resync_if_stale(info, now)
+        worker = self.registry.on_heartbeat(heartbeat, now)
+        if worker is None:
+            self._drop_unknown_peer(identity, "Heartbeat")
             return
-        if isinstance(message, Register):
-            self._on_register(message, now)
-        elif isinstance(message, Heartbeat):
-            info = self.registry.on_heartbeat(message, now)
-            if info is None:
-                self._drop_unknown_peer(identity, "Heartbeat")
-            else:
-                info.prefix.on_heartbeat(message.stats.kv_events_seq)
-                self._resync_if_stale(info, now)
-        elif isinstance(message, DrainNotice):
-            if self.registry.on_drain(message, now) is None:
-                self._drop_unknown_peer(identity, "DrainNotice")
-            else:
-                log.info("worker %s draining: %s", message.worker_id, message.reason)
+        worker.prefix.on_heartbeat(heartbeat.stats.kv_events_seq)
+        self._resync_if_stale(worker, now)
         self._notify()
 
-    def _on_register(self, message: Register, now: float) -> None:
+    def _on_drain(self, identity: bytes, notice: DrainNotice, now: float) -> None:
+        if not self._is_from(identity, notice):
+            return
+        if self.registry.on_drain(notice, now) is None:
+            self._drop_unknown_peer(identity, "DrainNotice")
+            return
+        log.info("worker %s draining: %s", notice.worker_id, notice.reason)
+        self._notify()
+
+    def _on_register(self, identity: bytes, message: Register, now: float) -> None:
+        if not self._is_from(identity, message):
+            return
         known = self.registry.get(message.worker_id)
         previous_pid = known.register.pid if known is not None else None
         lost = self.registry.on_register(message, now)
@@ -467,7 +397,10 @@ class Dispatcher:
         assert worker is not None
         self._resync_if_stale(worker, now)  # a new index, for a new process or a new link
         if lost:
-            self._on_worker_lost(worker, lost, f"restarted (pid {previous_pid} → {message.pid})")
+            self._failover.lose_worker(
+                worker.worker_id, lost, f"restarted (pid {previous_pid} → {message.pid})"
+            )
+        self._notify()
 
     def _resync_if_stale(self, worker: WorkerInfo, now: float) -> None:
         """Ask for a KVSnapshot when the worker's prefix index can no longer be trusted."""
@@ -476,36 +409,22 @@ class Dispatcher:
                       worker.prefix.num_resyncs)  # fmt: skip
             self._send(worker.worker_id, ResyncKV())
 
-    def _on_delta(self, worker_id: str, delta: TokenDelta) -> None:
-        request = self._requests.get(delta.request_id)
-        if request is None or request.submit.epoch != delta.epoch or request.worker_id != worker_id:
-            self._num_stale_deltas += 1  # aborted, migrated, or finished: nobody waits for it
-            if delta.finish_reason is None:
-                # Still running there (an ejected worker that woke up, or our Abort was lost with the
-                # link): stop it. The epoch keeps this from touching a newer attempt on that worker.
-                self._send(worker_id, Abort(request_id=delta.request_id, epoch=delta.epoch))
-            return
-        request.token_ids.extend(delta.token_ids)
-        if delta.finish_reason is not None:
-            self._forget(request)
-        request.queue.put_nowait(delta)
+    def _is_from(self, identity: bytes, message: _Named) -> bool:
+        """Whether the frame came over the link of the worker it names (if not: counted and dropped)."""
+        if message.worker_id.encode() == identity:
+            return True
+        self._drop_unknown_peer(identity, type(message).__name__)
+        return False
 
-    def _on_rejected(self, identity: bytes, message: Rejected, now: float) -> None:
-        request = self._requests.get(message.request_id)
-        if request is None or request.submit.epoch != message.epoch or request.worker_id.encode() != identity:
-            self._num_stale_deltas += 1
-            return
-        self.registry.touch(request.worker_id, now)
-        self._forget(request)
-        # 503: the worker began draining after we picked it. It ran nothing, so the same Submit (same
-        # epoch) can go to another worker; the client never learns.
-        if message.status == 503:
-            try:
-                if self._place(request, exclude={request.worker_id}):
-                    return
-            except RoutingError:
-                log.exception("routing failed re-placing request %s", request.request_id)
-        request.queue.put_nowait(WorkerRejected(message.status, message.field, message.message))
+    def _sender(self, identity: bytes, message: _Named, now: float) -> WorkerInfo | None:
+        """The registered worker that sent ``message``, its liveness refreshed; None (counted and
+        dropped) when the frame is not from the worker it names, or that worker never registered."""
+        if not self._is_from(identity, message):
+            return None
+        worker = self.registry.touch(message.worker_id, now)
+        if worker is None:
+            self._drop_unknown_peer(identity, type(message).__name__)
+        return worker
 
     def _drop_unknown_peer(self, identity: bytes, what: str) -> None:
         self._num_dropped_unknown_peer += 1

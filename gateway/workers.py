@@ -3,6 +3,7 @@
 Pure bookkeeping, no sockets and no clock of its own: the dispatcher feeds it the messages workers send
 (Register, Heartbeat, DrainNotice) with the arrival time, and asks it whom to send the next request to:
 the ready workers of the model, shown as read-only views to the routing policy (policies/routing.py).
+What each worker runs is read from the dispatcher's in-flight table (gateway/in_flight.py), its one owner.
 
     Register ──▶ READY ──DrainNotice──▶ DRAINING
                    │                        │
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
+from gateway.in_flight import InFlightTable
 from gateway.prefix_index import PrefixIndex
 from policies.base import NoParams
 from policies.routing import LeastLoaded, RouteRequest, RoutingPolicy, WorkerStateName, WorkerView
@@ -72,15 +75,16 @@ class Pick:
 
 @dataclass(slots=True)
 class WorkerInfo:
-    """One worker as this gateway knows it. ``in_flight_ids`` are the requests *this* gateway sent it."""
+    """One worker as this gateway knows it. ``in_flight_ids`` are the requests *this* gateway sent it:
+    a live, read-only view of the in-flight table."""
 
     worker_id: str
     register: Register
     last_seen: float  # monotonic arrival time of the last message of any kind
+    in_flight_ids: AbstractSet[str]
     state: WorkerState = WorkerState.READY
     stats: WorkerStats | None = None  # from the last heartbeat; None until the first one
     heartbeat_seq: int | None = None
-    in_flight_ids: set[str] = field(default_factory=set)
     # Monotonic time of the last heartbeat that showed a new engine step or nothing to do.
     progress_at: float = 0.0
     # Set when ejected for a hang: ``num_steps`` then; readmission needs a step past it.
@@ -110,10 +114,13 @@ class RoutingError(Exception):
 class WorkerRegistry:
     """Every worker that ever registered (dead ones stay, so /metrics and a re-Register can see them)."""
 
-    __slots__ = ("_workers", "routing")
+    __slots__ = ("_in_flight", "_workers", "routing")
 
-    def __init__(self, routing: RoutingPolicy | None = None) -> None:
+    def __init__(self, routing: RoutingPolicy | None = None, in_flight: InFlightTable | None = None) -> None:
+        """``in_flight``: the dispatcher's table of what each worker runs (an empty one of its own when
+        not given)."""
         self._workers: dict[str, WorkerInfo] = {}
+        self._in_flight = in_flight if in_flight is not None else InFlightTable()
         # Whom ``pick`` sends a request to (the config's ``policies.routing``; least-loaded by default).
         self.routing: RoutingPolicy = routing if routing is not None else LeastLoaded(NoParams())
 
@@ -129,19 +136,21 @@ class WorkerRegistry:
     def on_register(self, message: Register, now: float) -> set[str]:
         """Add a worker, or replace a known one's info; returns the request ids it has lost.
 
-        A Register with a new pid is a new process: whatever the old one was running is gone. The same
-        pid is a reconnect (the network blinked, or the gateway dropped the link): it still runs its
-        requests and will keep sending their tokens, so they stay in flight (a worker we ejected stays
-        DEAD until a heartbeat shows progress: its requests have already moved).
+        A Register with a new pid is a new process: whatever the old one was running is gone (detached
+        from it in the in-flight table, for the caller to fail or migrate). The same pid is a reconnect
+        (the network blinked, or the gateway dropped the link): it still runs its requests and will keep
+        sending their tokens, so they stay in flight (a worker we ejected stays DEAD until a heartbeat
+        shows progress: its requests have already moved).
         """
         info = self._workers.get(message.worker_id)
         if info is None:
-            self._workers[message.worker_id] = WorkerInfo(message.worker_id, message, now)
+            in_flight_ids = self._in_flight.request_ids_on(message.worker_id)
+            self._workers[message.worker_id] = WorkerInfo(message.worker_id, message, now, in_flight_ids)
             return set()
         lost: set[str] = set()
         is_new_process = info.register.pid != message.pid
         if is_new_process:
-            lost, info.in_flight_ids = info.in_flight_ids, set()
+            lost = self._in_flight.detach(message.worker_id)
             info.stats = None
             info.heartbeat_seq = None
             info.hung_at_step = None
@@ -284,7 +293,7 @@ class WorkerRegistry:
 
     def expire(self, now: float, timeout_s: float) -> list[WorkerInfo]:
         """Mark workers silent for longer than ``timeout_s`` dead; returns the newly dead ones, their
-        ``in_flight_ids`` intact for the caller to fail or migrate (and then clear)."""
+        requests still on them in the in-flight table, for the caller to detach and fail or migrate."""
         newly_dead = []
         for info in self._workers.values():
             if info.state is not WorkerState.DEAD and now - info.last_seen > timeout_s:
