@@ -358,33 +358,23 @@ class WorkerDaemon:
     def _end_all(self, *, error: str | None) -> list[RequestOutput]:
         """Drop every request from the engine; their final outputs ("error" or "abort") to send."""
         reason = FinishReason.ERROR if error is not None else FinishReason.ABORT
-        outputs = []
-        for request_id in list(self._requests):
-            request = self.engine.scheduler.requests.get(request_id)
-            num_prompt = request.num_prompt_tokens if request is not None else 0
-            num_output = request.num_output_tokens if request is not None else 0
-            num_cached = request.num_cached_tokens if request is not None else 0
-            self.engine.abort(request_id)
-            outputs.append(
-                RequestOutput(request_id, [], "", reason, [], num_prompt, num_output, num_cached, error)
-            )
-        return outputs
+        return [self.engine.end(request_id, reason, error) for request_id in list(self._requests)]
 
     # ---- what we tell the gateway about ourselves ---------------------------------------------
 
     def _stats(self) -> WorkerStats:
-        scheduler = self.engine.scheduler
+        engine = self.engine.stats()
         return WorkerStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_free_blocks=self.engine.kv_cache.num_free_blocks,
-            num_total_blocks=self.engine.kv_cache.pool.num_blocks,
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
+            num_free_blocks=engine.num_free_blocks,
+            num_total_blocks=engine.num_total_blocks,
             step_time_ema_ms=self._step_time_ema_ms,
             num_steps=self._num_steps,
-            num_preemptions=scheduler.num_preemptions,
-            num_evictions=self.engine.kv_cache.pool.num_evictions,
-            num_prefix_query_tokens=self.engine.kv_cache.num_prefix_queries,
-            num_prefix_hit_tokens=self.engine.kv_cache.num_prefix_hits,
+            num_preemptions=engine.num_preemptions,
+            num_evictions=engine.num_evictions,
+            num_prefix_query_tokens=engine.num_prefix_query_tokens,
+            num_prefix_hit_tokens=engine.num_prefix_hit_tokens,
             kv_events_seq=self._kv_events.seq,
         )
 

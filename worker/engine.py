@@ -47,6 +47,18 @@ class _RequestState:
     generator: torch.Generator | None
 
 
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    num_evictions: int
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+
+
 class Engine:
     """Owns the loop and per-request state; the runner it drives may be real or simulated."""
 
@@ -172,8 +184,32 @@ class Engine:
         self.observer.on_abort(request_id)
         return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
 
+    def end(self, request_id: str, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        """Take a request out wherever it is (its blocks freed) and return its final output: no new
+        tokens, ``reason``, the usage it had (zeros for an id the engine does not know)."""
+        request = self.scheduler.requests.get(request_id)
+        self.observer.on_abort(request_id)
+        if request is None:
+            self._states.pop(request_id, None)
+            return RequestOutput(request_id, [], "", reason, error=error)
+        return self._finish(request, reason, error)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> EngineStats:
+        """The counters a worker reports in its heartbeats."""
+        kv, scheduler = self.kv_cache, self.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.pool.num_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_evictions=kv.pool.num_evictions,
+            num_prefix_query_tokens=kv.num_prefix_queries,
+            num_prefix_hit_tokens=kv.num_prefix_hits,
+        )
 
     # ---- the loop ----------------------------------------------------------------------------
 
