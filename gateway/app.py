@@ -37,7 +37,8 @@ from gateway.endpoint import CHAT, COMPLETIONS, Body, Endpoint
 from gateway.errors import APIError
 from gateway.identity import Identity, identify
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.openai_api import ModelCard, ModelList
+from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 from gateway.placement import place_prompts
 from gateway.sse import ClientDisconnected
 from gateway.state import Gateway, Placement

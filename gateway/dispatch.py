@@ -45,6 +45,7 @@ from gateway.worker_socket import WorkerSocket
 from gateway.workers import PromptKey, RoutingError, WorkerInfo, WorkerRegistry, WorkerState
 from policies.routing import RouteRequest, RoutingPolicy
 from wire.codec import DecodeStats, encode, worker_message_decoder
+from wire.log_every import is_logged
 from wire.messages import (
     Abort,
     DrainNotice,
@@ -74,6 +75,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+LOG_EVERY = 1000  # frames from unknown peers: the first logged, then every Nth
 
 # The worker messages that name their sender (all but Rejected, which is checked against its request).
 _Named: TypeAlias = Register | TokenBatch | Heartbeat | DrainNotice | KVEvents | KVSnapshot
@@ -428,7 +430,7 @@ class Dispatcher:
 
     def _drop_unknown_peer(self, identity: bytes, what: str) -> None:
         self._num_dropped_unknown_peer += 1
-        if self._num_dropped_unknown_peer == 1 or self._num_dropped_unknown_peer % 1000 == 0:
+        if is_logged(self._num_dropped_unknown_peer, LOG_EVERY):
             log.warning(
                 "dropped a %s from peer %r: not a registered worker of that id (%d such drops)",
                 what,

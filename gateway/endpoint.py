@@ -14,15 +14,8 @@ from typing import Generic, TypeVar
 
 from gateway.errors import APIError
 from gateway.logprobs import TokenTexts
-from gateway.openai_api import (
-    ChatCompletionRequest,
-    ChatRenderer,
-    CompletionRenderer,
-    CompletionRequest,
-    Renderer,
-    decode_chat,
-    decode_completion,
-)
+from gateway.openai_api import ChatRenderer, CompletionRenderer, Renderer
+from gateway.openai_requests import ChatCompletionRequest, CompletionRequest, decode_chat, decode_completion
 from gateway.tokenizer import PromptBuilder, TemplateError, chat_ids_async, text_ids_async
 
 Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)

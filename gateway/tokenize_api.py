@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from gateway.errors import APIError
-from gateway.openai_api import ChatMessage, check_messages, decode_body
+from gateway.openai_requests import ChatMessage, check_messages, decode_body
 from gateway.state import Gateway
 from wire.errors import InvalidRequestError
 

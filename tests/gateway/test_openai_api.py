@@ -10,14 +10,8 @@ from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 
 from gateway.errors import APIError, from_dispatch, invalid
 from gateway.logprobs import TokenTexts
-from gateway.openai_api import (
-    ChatRenderer,
-    ChoiceResult,
-    CompletionRenderer,
-    UsageInfo,
-    decode_chat,
-    decode_completion,
-)
+from gateway.openai_api import ChatRenderer, ChoiceResult, CompletionRenderer, UsageInfo
+from gateway.openai_requests import decode_chat, decode_completion
 from gateway.request_stream import NoWorkerAvailable, WorkerLost, WorkerRejected
 from wire.errors import InvalidRequestError
 from wire.messages import TokenDelta, TokenLogprob, Usage

@@ -1,0 +1,245 @@
+"""The OpenAI request bodies this gateway takes, as msgspec Structs (the responses: openai_api.py).
+
+Requests decode straight from the body bytes (``decode_chat`` / ``decode_completion``); a wrong type
+becomes :class:`~wire.errors.InvalidRequestError` naming the field, as the client wrote it. Unknown
+fields are ignored, as OpenAI's own API and other compatible servers do, so newer clients keep working;
+known fields this server does not serve yet (tools, response_format) are refused by name. Ranges
+(temperature, top_p, penalties, ...) are checked once, by ``SamplingParams.validate``, on both sides
+of the wire.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from wire.errors import InvalidRequestError
+from wire.sampling import SamplingParams
+
+
+class TextPart(msgspec.Struct, kw_only=True):
+    type: str = "text"
+    text: str = ""
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Known OpenAI fields not served yet: refused by name rather than dropped (a client that sends them
+# relies on them: an agent parsing tool calls or JSON must not get free text with a 200).
+# tool_choice "none" and parallel_tool_calls without tools ask for nothing, so they are taken.
+UNSUPPORTED_CHAT_FIELDS = ("tools", "functions", "function_call")
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls (refused until tools are served)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def template_role(self) -> str:
+        """The role as chat templates know it: ``developer`` (OpenAI's newer name) is ``system``."""
+        return "system" if self.role == "developer" else self.role
+
+    def text(self) -> str:
+        """Content as one string: parts of type text joined (images and audio are not served)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        for part in self.content:
+            if part.type != "text":
+                raise InvalidRequestError(
+                    "messages", f"content parts of type {part.type!r} are not supported"
+                )
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """The fields both endpoints share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
+    user: str | None = None
+    # vLLM's extensions to the OpenAI body, which benchmark tools and clients of vLLM send; accepted
+    # under the same names and meanings (top_k 0 or -1: off, as in vLLM).
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_n(self, max_n: int) -> None:
+        if not 1 <= self.n <= max_n:
+            raise InvalidRequestError("n", f"must be between 1 and {max_n}, got {self.n}")
+
+    def sampling(self, *, max_tokens: int | None, logprobs: int | None, room: int) -> SamplingParams:
+        """``room``: context left after the prompt, the default when the client sets no limit."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else max(room, 1),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=logprobs,
+            stop=stop,
+            top_k=self.top_k if self.top_k is not None and self.top_k > 0 else None,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self._logit_bias(),
+        )
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """OpenAI's map of token ids (JSON object keys, so strings) to biases; ids and ranges are
+        checked by ``SamplingParams.validate`` against the model's vocabulary."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key!r}") from None
+            pairs.append((token_id, float(value)))
+        return tuple(pairs)
+
+
+def check_messages(messages: Sequence[ChatMessage]) -> None:
+    """Each message's role known (``messages[i].role`` named otherwise); tool messages refused."""
+    for i, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {message.role!r}"
+            )
+        if message.role == "tool" or message.tool_calls:
+            raise InvalidRequestError(
+                f"messages[{i}]", "tool calls and tool messages are not supported yet by this server"
+            )
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str = "text"
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def check_supported(self) -> None:
+        """Roles known; fields this server does not serve yet refused by name, never dropped."""
+        check_messages(self.messages)
+        for name in UNSUPPORTED_CHAT_FIELDS:
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(name, "tool calling is not supported yet by this server")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice", "tool calling is not supported yet by this server")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError(
+                "response_format", f"type {self.response_format.type!r} is not supported yet (only 'text')"
+            )
+
+    def to_sampling(self, room: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs = true")
+        num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling(max_tokens=limit, logprobs=num_logprobs, room=room)
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # One prompt (text or token ids) or a batch of them; msgspec allows one array type per union, so a
+    # batch decodes loosely here and ``prompts()`` checks that it is all of one kind.
+    prompt: str | list[str | int | list[int]]
+    logprobs: int | None = None  # the legacy API: a count of top alternatives
+
+    def prompts(self, max_prompts: int) -> list[str | list[int]]:
+        """The prompts to complete: text or token ids each, at least one, at most ``max_prompts``."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if all(isinstance(item, int) for item in prompt):
+            return [[item for item in prompt if isinstance(item, int)]]
+        if all(isinstance(item, str) for item in prompt):
+            prompts: list[str | list[int]] = [item for item in prompt if isinstance(item, str)]
+        elif all(isinstance(item, list) for item in prompt):
+            prompts = [item for item in prompt if isinstance(item, list)]
+        else:
+            raise InvalidRequestError(
+                "prompt", "a list must be all strings, all token ids, or all lists of token ids"
+            )
+        if len(prompts) > max_prompts:
+            raise InvalidRequestError(
+                "prompt", f"at most {max_prompts} prompts per request, got {len(prompts)}"
+            )
+        return prompts
+
+    def to_sampling(self, room: int) -> SamplingParams:
+        limit = 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+        return self.sampling(max_tokens=limit, logprobs=self.logprobs, room=room)
+
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
+
+
+T = TypeVar("T")
+
+
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """``body`` as ``kind``; a field that does not fit is an InvalidRequestError naming its path."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _PATH.search(message) or _MISSING.search(message)
+        # The path as the client wrote it ("messages[0].content"); the body itself when at the top.
+        field = match.group(1) if match and match.group(1) else "body"
+        raise InvalidRequestError(field, message) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
+
+
+def decode_chat(body: bytes) -> ChatCompletionRequest:
+    request = decode_body(body, ChatCompletionRequest)
+    if not request.messages:
+        raise InvalidRequestError("messages", "must contain at least one message")
+    request.check_supported()
+    return request
+
+
+def decode_completion(body: bytes) -> CompletionRequest:
+    return decode_body(body, CompletionRequest)
