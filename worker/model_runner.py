@@ -112,10 +112,9 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampled: list[Request] = []
-        # Decodes longest first: the attention backend buckets runs of similar length (less padding).
+        # The scheduler's layout: decodes first (longest first), then prefill chunks.
         num_decodes = sum(1 for r in out.scheduled if out.num_scheduled_tokens[r.request_id] == 1)
-        decodes = sorted(out.scheduled[:num_decodes], key=lambda r: -r.num_tokens)
-        scheduled = decodes + out.scheduled[num_decodes:]
+        scheduled = out.scheduled
         for request in scheduled:
             start = request.num_computed_tokens
             num_new = out.num_scheduled_tokens[request.request_id]

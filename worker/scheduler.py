@@ -47,8 +47,9 @@ class SchedulerConfig:
 class SchedulerOutput:
     """One step: which requests run and how many new tokens each computes.
 
-    ``scheduled`` lists single-token requests (decodes) first, then prefill chunks; the model
-    runner lays the flat batch out in this order.
+    ``scheduled`` lists single-token requests (decodes) first, longest context first (the attention
+    backend buckets runs of similar length: less padding), then prefill chunks in the order they were
+    scheduled; the model runner lays the flat batch out in exactly this order.
     """
 
     scheduled: list[Request] = field(default_factory=list)
@@ -121,7 +122,12 @@ class Scheduler:
                 budget -= num_new
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         scheduled = [r for r in self.running if r.request_id in out.num_scheduled_tokens]
-        out.scheduled = sorted(scheduled, key=lambda r: out.num_scheduled_tokens[r.request_id] != 1)
+
+        def layout(r: Request) -> tuple[bool, int]:
+            is_decode = out.num_scheduled_tokens[r.request_id] == 1
+            return (not is_decode, -r.num_tokens if is_decode else 0)
+
+        out.scheduled = sorted(scheduled, key=layout)
         return out
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
