@@ -387,13 +387,16 @@ class Dispatcher:
         previous_pid = known.register.pid if known is not None else None
         lost = self.registry.on_register(message, now)
         log.info(
-            "worker %s registered: model %s, pid %d (before: %s), %d KV blocks, context %d",
+            "worker %s registered: model %s, pid %d (before: %s), %d KV blocks, context %d, on %s (%s) in %s",
             message.worker_id,
             message.model,
             message.pid,
             previous_pid,
             message.num_kv_blocks,
             message.max_model_len,
+            message.device,
+            message.device_name or "?",
+            message.dtype,
         )
         worker = self.registry.get(message.worker_id)
         assert worker is not None

@@ -1,6 +1,6 @@
 """How ``tierserve serve`` starts and stops its worker processes: each pool's command line (engine
-settings, policies, context classes, threads, CURVE keys), the environment they inherit, their log
-files, and their end.
+settings, policies, context classes, threads, CURVE keys), the environment they inherit (plus each
+one's own, e.g. its GPU), their log files, and their end.
 
 Workers are started by command line only (``python -m worker.cli worker ...``): the gateway never
 imports the worker package, so it stays torch-free. On Linux a worker gets SIGTERM when serve dies,
@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +44,12 @@ class PoolLaunch:
     worker_args: Sequence[str]  # passed to each of its `worker` subcommands (--mock, or --model FOLDER)
     num_workers: int
     worker_prefix: str | None = None  # its workers are "<prefix>-<i>" (default: ``name``)
+    # Worker i's own environment on top of serve's: its GPU (``CUDA_VISIBLE_DEVICES``), chosen by the
+    # composition root (tierserve/worker_plan.py), which may ask torch; empty: none for any worker.
+    worker_envs: Sequence[Mapping[str, str]] = ()
+
+    def env_of(self, index: int) -> Mapping[str, str]:
+        return self.worker_envs[index] if index < len(self.worker_envs) else {}
 
 
 def policies_arg(config: ServerConfig) -> list[str]:
@@ -62,9 +68,14 @@ def pool_args(pool: ModelPool) -> list[str]:
     classes = ["--context-classes", ",".join(pool.context_classes)] if pool.context_classes else []
     limit = ["--max-model-len", str(pool.max_context)] if pool.max_context is not None else []
     kept = ["--keep-full-precision", ",".join(pool.keep_full_precision)] if pool.keep_full_precision else []
+    kv = ["--kv-cache-gb", str(pool.kv_cache_gb)] if pool.kv_cache_gb is not None else []
+    graphs = [] if pool.cuda_graphs else ["--no-cuda-graphs"]
     return [
         "--dtype", pool.dtype,
-        "--kv-cache-gb", str(pool.kv_cache_gb),
+        "--device", pool.device,
+        *kv,
+        "--gpu-memory-utilization", str(pool.gpu_memory_utilization),
+        *graphs,
         "--max-num-seqs", str(pool.max_num_seqs),
         "--max-num-batched-tokens", str(pool.max_num_batched_tokens),
         "--quant-activations", pool.quant_activations,
@@ -104,6 +115,35 @@ class WorkerProcess:
         return f"worker {self.worker_id!r} exited with code {code}: {cause} (log: {self.log_path})"
 
 
+@dataclass(slots=True, frozen=True)
+class WorkerCommand:
+    """What starting one worker runs: its id, command line, whole environment and log file."""
+
+    worker_id: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+
+
+def worker_command(
+    address: str,
+    index: int,
+    launch: PoolLaunch,
+    config: ServerConfig,
+    log_dir: Path,
+    curve_args: Sequence[str] = (),
+) -> WorkerCommand:
+    worker_id = f"{launch.worker_prefix or launch.name}-{index}"
+    log_path = log_dir / f"{worker_id}.log"
+    argv = [
+        sys.executable, "-m", "worker.cli", "worker", "--connect", address,
+        "--worker-id", worker_id, "--served-name", launch.name, "--log-file", str(log_path),
+        *pool_args(launch.pool),
+        *policies_arg(config), *curve_args, *launch.worker_args,
+    ]  # fmt: skip
+    return WorkerCommand(worker_id, argv, {**worker_env(config), **launch.env_of(index)}, log_path)
+
+
 def spawn(
     address: str,
     index: int,
@@ -112,16 +152,9 @@ def spawn(
     log_dir: Path,
     curve_args: Sequence[str] = (),
 ) -> WorkerProcess:
-    worker_id = f"{launch.worker_prefix or launch.name}-{index}"
-    log_path = log_dir / f"{worker_id}.log"
-    command = [
-        sys.executable, "-m", "worker.cli", "worker", "--connect", address,
-        "--worker-id", worker_id, "--served-name", launch.name, "--log-file", str(log_path),
-        *pool_args(launch.pool),
-        *policies_arg(config), *curve_args, *launch.worker_args,
-    ]  # fmt: skip
-    process = subprocess.Popen(command, env=worker_env(config), preexec_fn=in_worker_before_exec)
-    return WorkerProcess(worker_id, process, log_path)
+    command = worker_command(address, index, launch, config, log_dir, curve_args)
+    process = subprocess.Popen(command.argv, env=command.env, preexec_fn=in_worker_before_exec)
+    return WorkerProcess(command.worker_id, process, command.log_path)
 
 
 def worker_env(config: ServerConfig) -> dict[str, str]:

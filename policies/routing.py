@@ -36,6 +36,12 @@ class WorkerView:
     state: WorkerStateName  # candidates are always "ready"; the field is there for views of a fleet
     max_num_seqs: int  # sequences it runs at once (from its Register)
     num_in_flight: int  # requests this gateway sent it that have not finished
+    # Its device (from its Register): "cuda" or "cpu", the GPU's or CPU's name, a GPU's total memory
+    # (None on CPU), and the dtype it computes in; a policy may weigh a fast worker against a slow one.
+    device: str | None = None
+    device_name: str | None = None
+    device_memory_bytes: int | None = None
+    dtype: str | None = None
     num_running: int | None = None  # from its last heartbeat; None before the first
     num_waiting: int | None = None
     num_free_blocks: int | None = None

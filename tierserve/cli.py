@@ -14,6 +14,7 @@ import argparse
 import shlex
 import sys
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from worker import cli as worker_cli
@@ -164,7 +165,9 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(options)
 
 
-def _pools(args: argparse.Namespace, config: ServerConfig) -> list[PoolLaunch]:
+def _pools(
+    args: argparse.Namespace, config: ServerConfig, count_gpus: Callable[[], int] | None = None
+) -> list[PoolLaunch]:
     """What serve starts for each configured pool (primary and fallback), each its own workers.
 
     ``--mock N``: mock workers everywhere; the first primary pool runs N of them served as "mock" (as
@@ -172,10 +175,23 @@ def _pools(args: argparse.Namespace, config: ServerConfig) -> list[PoolLaunch]:
     its ``path`` under its ``name``, except that ``--model`` replaces the first primary's path and serves
     it under the folder's name. Pools of one model folder share a prompt builder. Pools sharing a served
     name (each taking some context classes) stay one model, their workers named after each pool.
+    A pool on GPUs runs one worker per GPU, each pinned to its own (tierserve/worker_plan.py);
+    ``count_gpus`` (default: torch's count, asked only when a pool may use a GPU) is a test's seam.
     """
+    import os
+
     from gateway.tokenizer import BytePromptBuilder, HFPromptBuilder, PromptBuilder
     from gateway.worker_procs import PoolLaunch
+    from tierserve.worker_plan import plan_workers, uses_gpus
     from worker.models.store import resolve_model
+
+    num_gpus: int | None = None  # not counted: --mock, --no-workers, or CPU pools only
+    if not args.mock and not args.no_workers and any(uses_gpus(pool) for pool in config.models.pools):
+        if count_gpus is None:
+            from worker.devices import count_visible_gpus  # imports torch
+
+            count_gpus = count_visible_gpus
+        num_gpus = count_gpus()
 
     pools = config.models.pools
     first_primary = next(i for i, pool in enumerate(pools) if pool.role == "primary")
@@ -189,7 +205,7 @@ def _pools(args: argparse.Namespace, config: ServerConfig) -> list[PoolLaunch]:
         if args.mock:
             builder = builders.setdefault("mock", BytePromptBuilder())
             name = "mock" if is_first else pool.model_name
-            num_workers = args.mock if i == first_primary else pool.num_workers
+            num_workers = args.mock if i == first_primary else plan_workers(pool, "", None, {}).num_workers
             worker_args = ["--mock", *shlex.split(args.mock_args)]
             launches.append(PoolLaunch(name, pool, builder, worker_args, num_workers, prefix))
             continue
@@ -198,7 +214,11 @@ def _pools(args: argparse.Namespace, config: ServerConfig) -> list[PoolLaunch]:
         if str(folder) not in builders:
             builders[str(folder)] = HFPromptBuilder(folder)
         name = folder.name if override else pool.model_name
+        plan = plan_workers(pool, f"models.pools[{i}]", num_gpus, os.environ)
+        worker_args = ["--model", str(folder)]
         launches.append(
-            PoolLaunch(name, pool, builders[str(folder)], ["--model", str(folder)], pool.num_workers, prefix)
+            PoolLaunch(
+                name, pool, builders[str(folder)], worker_args, plan.num_workers, prefix, plan.worker_envs
+            )
         )
     return launches

@@ -147,8 +147,16 @@ class ModelPool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     path: Name = DEFAULT_MODEL_PATH
     # auto: bf16 on CUDA and on CPUs with native bf16 (AVX-512-BF16, AMX), float32 on other CPUs
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    num_workers: PosInt = 1
-    kv_cache_gb: PosFloat = 1.0
+    # auto: CUDA when serve sees a GPU, else the CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # auto: one worker per GPU of ``devices`` (every visible GPU when empty); 1 on a CPU box
+    num_workers: PosInt | Literal["auto"] = "auto"
+    # indices of the GPUs serve sees (as torch numbers them) its workers are pinned to; empty: all
+    devices: tuple[Annotated[int, Meta(ge=0)], ...] = ()
+    # None: 1 GiB on CPU; on CUDA what gpu_memory_utilization leaves after the weights and a warm-up
+    kv_cache_gb: PosFloat | None = None
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.9
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs on CUDA with the Triton kernels
     max_num_seqs: PosInt = 64
     max_num_batched_tokens: PosInt = 2048
     role: Literal["primary", "fallback"] = "primary"

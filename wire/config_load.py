@@ -105,7 +105,11 @@ def _translate(text: str, raw: Any, info: mi.Type, origins: Mapping[str, str]) -
         message = "required key is missing"
     elif text.startswith("Invalid enum value"):
         here = _unwrap(_type_at(info, segments))
-        choices = ", ".join(map(str, here.values)) if isinstance(here, mi.LiteralType) else "?"
+        # ``PosInt | Literal["auto"]``: the literal's words are the choices a person can type
+        members = here.types if isinstance(here, mi.UnionType) else (here,)
+        words = [str(v) for t in members if isinstance(t, mi.LiteralType) for v in t.values]
+        words += ["an integer"] * any(isinstance(t, mi.IntType) for t in members)
+        choices = ", ".join(words) or "?"
         message = f"invalid value{text.removeprefix('Invalid enum value')} (expected one of: {choices})"
     else:
         message = re.sub(r"`(\w+)`", lambda m: _TYPE_WORDS.get(m[1], m[1]), text)

@@ -16,7 +16,7 @@ from wire.full_precision import check_entries
 from wire.tier import Tier
 
 if TYPE_CHECKING:
-    from wire.config import ServerConfig
+    from wire.config import ModelPool, ServerConfig
 
 Fail = Callable[[str, str], ConfigError]
 
@@ -198,6 +198,21 @@ def _validate_tenants(config: ServerConfig, fail: Fail) -> None:
         raise fail("gateway.require_api_key", "keys are required but no tenant has an api key")
 
 
+def _validate_devices(pool: ModelPool, key: str, fail: Fail) -> None:
+    """``devices`` pins workers to GPUs: only for a pool that may run on CUDA, each GPU once."""
+    if not pool.devices:
+        return
+    if pool.device == "cpu":
+        raise fail(f"{key}.devices", 'GPU indices need device = "cuda" or "auto", not "cpu"')
+    seen: set[int] = set()
+    for j, index in enumerate(pool.devices):
+        if index < 0:  # the schema refuses it too; kept so the rule holds for any caller
+            raise fail(f"{key}.devices[{j}]", f"must be a GPU index >= 0, got {index}")
+        if index in seen:
+            raise fail(f"{key}.devices[{j}]", f"GPU {index} is listed twice (one worker per GPU)")
+        seen.add(index)
+
+
 def _validate_pools(config: ServerConfig, fail: Fail) -> None:
     names: dict[str, int] = {}
     served: dict[str, int] = {}  # model name → the first pool serving it
@@ -213,6 +228,7 @@ def _validate_pools(config: ServerConfig, fail: Fail) -> None:
             check_entries(pool.keep_full_precision)
         except ValueError as exc:
             raise fail(f"models.pools[{i}].keep_full_precision", str(exc)) from None
+        _validate_devices(pool, f"models.pools[{i}]", fail)
         for band in pool.context_classes:
             if band not in class_names:
                 known = sorted(class_names)

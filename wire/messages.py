@@ -74,6 +74,10 @@ class Register(_Message, tag="register", frozen=True, kw_only=True):
     # A quantized model's linears: each one's output error against its exact weight, measured at load
     # (worker/models/quant_check.py); empty for a float model.
     quant_layer_errors: Annotated[dict[Name, float], msgspec.Meta(max_length=MAX_QUANT_LAYERS)] = {}
+    # What it computes on, for policies that tell a fast worker from a slow one: the GPU's name and
+    # total memory, or the CPU's model name and None. None from a worker that predates them.
+    device_name: Name | None = None
+    device_memory_bytes: int | None = None
     pid: int
 
 

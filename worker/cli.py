@@ -40,7 +40,33 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "bfloat16", "float32", "float16"],
         help="auto: bf16 on CUDA and on CPUs with native bf16, float32 on other CPUs",
     )
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        type=_device,
+        metavar="{auto,cpu,cuda,cuda:N}",
+        help="auto (the default): cuda when a CUDA device is visible, else cpu",
+    )
+    parser.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        help="memory for the paged KV cache (default: 1 GiB on CPU; on CUDA what "
+        "--gpu-memory-utilization leaves after the weights and a warm-up step)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="F",
+        help="without --kv-cache-gb, on CUDA: the fraction of the GPU's memory in use once the KV cache "
+        "is allocated (0 < F <= 1; other processes on the GPU count too)",
+    )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run decode steps eagerly on CUDA (default: replay captured CUDA graphs)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -71,7 +97,17 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _device(text: str) -> str:
+    from worker.devices import check_device  # torch-free
+
+    try:
+        return check_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``models``, ``generate`` and ``worker`` with their flags (serve's ``pool_args`` must parse here)."""
     parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -155,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     worker.add_argument("-v", "--verbose", action="store_true")
     _add_engine_args(worker)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         export_isa_env()  # before torch computes anything, so ATen and oneDNN obey TIERSERVE_CPU_ISA too
     except CpuIsaError as exc:
@@ -178,7 +217,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        device=args.device,
         kv_cache_gb=args.kv_cache_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cuda_graphs=False if args.no_cuda_graphs else None,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
@@ -252,6 +294,8 @@ def _worker(args: argparse.Namespace) -> int:
 # The choices a start makes (CPU level, dtype, packing) reach stderr at INFO even without -v.
 STARTUP_LOGGERS = (
     "worker.cpu_isa",
+    "worker.devices",
+    "worker.kv_budget",
     "worker.precision",
     "worker.models.cpu_packing",
     "worker.models.cpu_linear",

@@ -8,6 +8,7 @@ import torch
 
 from wire.config import DEFAULT_MODEL_PATH
 from wire.full_precision import check_entries
+from worker.devices import check_device
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # "auto": chosen by the device and the CPU probe (worker/precision.py) when the engine is built.
@@ -23,8 +24,11 @@ QUANTIZATIONS = ("none", "int8", "int4")
 class EngineConfig:
     model: str = DEFAULT_MODEL_PATH  # the embedded model from its Q4_1 GGUF; "default": its float weights
     dtype: str = "auto"
-    device: str = "cpu"
-    kv_cache_gb: float = 1.0
+    device: str = "auto"  # auto, cpu, cuda or cuda:N; auto: cuda when there is one (worker/devices.py)
+    # None: 1 GiB on CPU; on CUDA what gpu_memory_utilization leaves after the weights and a warm-up
+    # forward (worker/kv_budget.py)
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float = 0.9  # of the device's memory, in use once the KV cache is allocated
     num_kv_blocks: int | None = None  # overrides kv_cache_gb (tests use it to force preemption)
     block_size: int = 16
     max_num_batched_tokens: int = 2048
@@ -38,15 +42,17 @@ class EngineConfig:
     quantization: str = "none"  # a float checkpoint's linears quantized at load (models/quant.py)
     # modules of a quantized model kept in float (wire/full_precision.py), e.g. ("attention", "lm_head")
     keep_full_precision: tuple[str, ...] = ()
-    cuda_graphs: bool = (
-        False  # decode-only steps replay CUDA graphs (batch-size buckets); needs CUDA + Triton
-    )
+    # decode-only steps replay CUDA graphs (batch-size buckets); None: on with CUDA + Triton, else off
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype: expected one of {DTYPE_CHOICES}, got {self.dtype!r}")
-        if not self.kv_cache_gb > 0:
+        check_device(self.device)
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb: must be positive, got {self.kv_cache_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size: expected 8, 16 or 32, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -65,7 +71,7 @@ class EngineConfig:
             raise ValueError(
                 f"kernel_backend: expected one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}"
             )
-        if self.cuda_graphs and (not self.device.startswith("cuda") or self.kernel_backend == "torch"):
+        if self.cuda_graphs and (self.device == "cpu" or self.kernel_backend == "torch"):
             raise ValueError(
                 f"cuda_graphs: needs a cuda device and the Triton kernels (device={self.device!r}, "
                 f"kernel_backend={self.kernel_backend!r})"

@@ -67,6 +67,7 @@ from wire.messages import (
     WorkerStats,
 )
 from worker.daemon_io import CurveClientKeys, Received, SocketIO
+from worker.devices import describe_device
 from worker.engine import Engine
 from worker.kv_events import KVEventLog
 from worker.models.store import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES, QUANTIZED_DEFAULT_ALIASES
@@ -382,6 +383,7 @@ class WorkerDaemon:
         engine = self.engine
         config = engine.config
         num_blocks = engine.kv_cache.pool.num_blocks
+        device = describe_device(engine.runner.device)
         return Register(
             worker_id=self.worker_id,
             model=self.model_name,
@@ -395,6 +397,8 @@ class WorkerDaemon:
             vocab_size=engine.model_config.vocab_size,
             context_classes=self.context_classes,
             quant_layer_errors=dict(engine.quant_layer_errors),
+            device_name=device.name,
+            device_memory_bytes=device.memory_bytes,
             pid=os.getpid(),
         )
 

@@ -21,6 +21,7 @@ from wire.prompt import check_prompt
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
+from worker.devices import resolve_device
 from worker.kv_cache import KVCacheManager
 from worker.model_runner import ModelRunner, StepRunner, build_model_runner
 from worker.models.config import ModelConfig
@@ -99,6 +100,7 @@ class Engine:
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        config = resolve_device(config)
         model_path = resolve_model(config.model)
         is_quantized_folder = is_gguf_folder(model_path) or is_hf_quantized_folder(model_path)
         quantized = is_quantized_folder or config.quantization != "none"

@@ -13,9 +13,10 @@ Only the last token of a request whose prompt is now fully computed is turned in
 
 Kernels: the torch references on CPU, the Triton kernels on CUDA (``EngineConfig.kernel_backend``), the
 choice logged once at startup. A decode-only step (every sequence one new token) may take a faster
-road, a ``DecodeStep``: with ``cuda_graphs`` it replays a CUDA graph captured for the smallest bucket
->= B, its inputs padded (``DecodeGraphs``); on CPU, with ``cpu_kernels``, it runs one fused C call per
-layer (``worker.models.cpu_decode``). Prefill and mixed steps run the model eagerly.
+road, a ``DecodeStep``: with ``cuda_graphs`` (on by default on CUDA) it replays a CUDA graph
+captured for the smallest bucket >= B, its inputs padded (``DecodeGraphs``); on CPU, with
+``cpu_kernels``, it runs one fused C call per layer (``worker.models.cpu_decode``). Prefill and mixed
+steps run the model eagerly.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -38,6 +40,8 @@ from worker.attention import (
 )
 from worker.config import EngineConfig
 from worker.cpu_isa import probe
+from worker.devices import resolve_device
+from worker.kv_budget import kv_cache_blocks
 from worker.models.config import ModelConfig
 from worker.models.cpu_decode import fused_decode_step
 from worker.models.cpu_linear import use_decode_linears
@@ -307,6 +311,7 @@ def apply_quantization(model: LlamaForCausalLM, config: EngineConfig, model_path
 
 def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRunner, ModelConfig, int]:
     """Load the model, size and allocate its KV cache: (runner, model config, number of KV blocks)."""
+    config = resolve_device(config)
     device = torch.device(config.device)
     backend = resolve_kernel_backend(config, device)
     attention = make_attention_backend(backend)
@@ -333,9 +338,7 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
     bytes_per_block = kv_cache_bytes_per_block(
         mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype
     )
-    num_blocks = config.num_kv_blocks or int(config.kv_cache_gb * 1024**3) // bytes_per_block
-    if num_blocks < 1:
-        raise ValueError(f"kv_cache_gb: {config.kv_cache_gb} GiB holds no {bytes_per_block}-byte block")
+    num_blocks = kv_cache_blocks(config, model, mc, device, backend, bytes_per_block)
     kv_caches = allocate_kv_cache(
         mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype, device
     )
@@ -356,16 +359,38 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
     decode_step: DecodeStep | None = None
     if config.cpu_kernels and caps is not None:
         decode_step = fused_decode_step(model, kv_caches, caps, kernel_cache_dir())
-    if config.cuda_graphs:
-        if backend is not KernelBackend.TRITON or device.type != "cuda":
-            raise ValueError("cuda_graphs: needs the Triton kernels on a cuda device")
-        max_model_len = config.context_limit(mc.max_position_embeddings)
-        sizes = graph_batch_sizes(config.max_num_seqs)
-        graphs = DecodeGraphs(model, kv_caches, config.block_size, max_model_len, sizes, device)
-        graphs.capture()
-        decode_step = graphs
-        log.info(
-            "engine: CUDA graphs captured for decode batch sizes %s (max_model_len %d)", sizes, max_model_len
-        )
-    runner = ModelRunner(model, kv_caches, config.block_size, device, backend, decode_step)
+    graphs = decode_graphs(config, model, kv_caches, mc, device, backend)
+    runner = ModelRunner(model, kv_caches, config.block_size, device, backend, graphs or decode_step)
     return runner, model_config, num_blocks
+
+
+def decode_graphs(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    kv_caches: list[torch.Tensor],
+    mc: ModelConfig,
+    device: torch.device,
+    backend: KernelBackend,
+) -> DecodeGraphs | None:
+    """Captured decode graphs, or None. ``cuda_graphs`` None (auto): on with the Triton kernels on
+    CUDA; False: off; True: on, or a ``ValueError`` where they cannot run."""
+    can_capture = backend is KernelBackend.TRITON and device.type == "cuda"
+    if config.cuda_graphs and not can_capture:
+        raise ValueError("cuda_graphs: needs the Triton kernels on a cuda device")
+    if config.cuda_graphs is False or not can_capture:
+        if device.type == "cuda":
+            why = "cuda_graphs = false" if config.cuda_graphs is False else f"kernels {backend.value}"
+            log.info("engine: CUDA graphs off (%s): decode steps run eagerly", why)
+        return None
+    max_model_len = config.context_limit(mc.max_position_embeddings)
+    sizes = graph_batch_sizes(config.max_num_seqs)
+    graphs = DecodeGraphs(model, kv_caches, config.block_size, max_model_len, sizes, device)
+    start = time.perf_counter()
+    graphs.capture()
+    log.info(
+        "engine: CUDA graphs captured for decode batch sizes %s (max_model_len %d) in %.1f s",
+        sizes,
+        max_model_len,
+        time.perf_counter() - start,
+    )
+    return graphs

@@ -16,6 +16,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.cpu_isa import CpuCaps, probe
+from worker.devices import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ def choose_dtype(requested: str, device: str, caps: CpuCaps | None, cuda_bf16: b
 
 def resolve_dtype(config: EngineConfig) -> EngineConfig:
     """``config`` with a concrete dtype, the choice and its reason logged; unchanged if already concrete
-    and nothing to warn about."""
+    and nothing to warn about. A device of "auto" is resolved first (worker/devices.py)."""
+    config = resolve_device(config)
     on_cuda = config.device.startswith("cuda")
     caps = None if on_cuda else probe()
     cuda_bf16 = on_cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()

@@ -203,3 +203,33 @@ def test_candidates_are_the_workers_taking_the_prompt_s_context_class_with_room_
     request = RouteRequest(request_id="r", model="m", tier=None, num_prompt_tokens=5000, context_class="long")
     pick = registry.pick("m", request=request)
     assert pick is not None and pick.worker.worker_id == "long"
+
+
+def test_routing_sees_each_workers_device_from_its_register() -> None:
+    registry = WorkerRegistry()
+    gpu = msgspec.structs.replace(
+        _register("gpu"),
+        device="cuda:0",
+        dtype="bfloat16",
+        device_name="NVIDIA H200",
+        device_memory_bytes=141 << 30,
+    )
+    registry.on_register(gpu, 0.0)
+    registry.on_register(_register("old"), 0.0)  # a worker from before the device fields
+    views = {}
+    for worker_id in ("gpu", "old"):
+        info = registry.get(worker_id)
+        assert info is not None
+        views[worker_id] = registry.view(info)
+    fast = views["gpu"]
+    assert (fast.device, fast.device_name, fast.device_memory_bytes, fast.dtype) == (
+        "cuda:0",
+        "NVIDIA H200",
+        141 << 30,
+        "bfloat16",
+    )
+    assert (views["old"].device, views["old"].device_name, views["old"].device_memory_bytes) == (
+        "cpu",
+        None,
+        None,
+    )

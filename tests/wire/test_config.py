@@ -201,6 +201,34 @@ BAD_FILES = [
     ),
     ("[[models.pools]]\nname = 'm'\nnum_workers = 0\n", "models.pools[0].num_workers", ">= 1, got 0"),
     (
+        "[[models.pools]]\nname = 'm'\nnum_workers = 'all'\n",
+        "models.pools[0].num_workers",
+        "invalid value 'all' (expected one of: auto, an integer)",
+    ),
+    ("[[models.pools]]\nname = 'm'\ndevice = 'tpu'\n", "models.pools[0].device", "invalid value 'tpu'"),
+    (
+        "[[models.pools]]\nname = 'm'\ndevice = 'cpu'\ndevices = [0]\n",
+        "models.pools[0].devices",
+        'GPU indices need device = "cuda" or "auto"',
+    ),
+    (
+        "[[models.pools]]\nname = 'm'\ndevices = [1, 3, 1]\n",
+        "models.pools[0].devices[2]",
+        "GPU 1 is listed twice",
+    ),
+    ("[[models.pools]]\nname = 'm'\ndevices = [-1]\n", "models.pools[0].devices[0]", ">= 0, got -1"),
+    (
+        "[[models.pools]]\nname = 'm'\ngpu_memory_utilization = 1.5\n",
+        "models.pools[0].gpu_memory_utilization",
+        "<= 1.0, got 1.5",
+    ),
+    (
+        "[[models.pools]]\nname = 'm'\ngpu_memory_utilization = 0\n",
+        "models.pools[0].gpu_memory_utilization",
+        "> 0.0, got 0",
+    ),
+    ("[[models.pools]]\nname = 'm'\nkv_cache_gb = 0\n", "models.pools[0].kv_cache_gb", "> 0.0, got 0"),
+    (
         "[[models.pools]]\nname = 'm'\nquantization = 'int4'\nkeep_full_precision = ['attention', 'attn']\n",
         "models.pools[0].keep_full_precision",
         "unknown module 'attn': expected 'attention', 'mlp', 'lm_head'",
@@ -392,3 +420,14 @@ def test_pools_of_one_model_may_split_it_by_context_class(tmp_path: Path) -> Non
         ("chat", "smol", ("short", "medium")),
         ("chat-long", "smol", ("long",)),
     ]
+
+
+def test_pools_default_to_one_worker_per_gpu_on_an_auto_device(tmp_path: Path) -> None:
+    (pool,) = load_config(env={}).models.pools
+    assert (pool.device, pool.num_workers, pool.devices) == ("auto", "auto", ())
+    assert (pool.kv_cache_gb, pool.gpu_memory_utilization, pool.cuda_graphs) == (None, 0.9, True)
+    text = "[[models.pools]]\nname = 'm'\ndevice = 'cuda'\ndevices = [1, 3]\ncuda_graphs = false\n"
+    (pool,) = load_text(tmp_path, text, env={"TIERSERVE_MODELS__POOLS__0__NUM_WORKERS": "4"}).models.pools
+    assert (pool.device, pool.devices, pool.num_workers, pool.cuda_graphs) == ("cuda", (1, 3), 4, False)
+    (pool,) = load_text(tmp_path, text, env={"TIERSERVE_MODELS__POOLS__0__NUM_WORKERS": "auto"}).models.pools
+    assert pool.num_workers == "auto"

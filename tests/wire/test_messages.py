@@ -115,6 +115,8 @@ message_strategies: dict[type[Any], st.SearchStrategy[Any]] = {
         max_model_len=counts,
         max_num_seqs=counts,
         vocab_size=st.none() | counts,
+        device_name=st.none() | ids,
+        device_memory_bytes=st.none() | st.integers(0, 2**50),
         pid=counts,
     ),
     TokenBatch: st.builds(TokenBatch, worker_id=ids, step=counts, deltas=st.lists(deltas, max_size=4)),
@@ -240,6 +242,19 @@ def test_other_protocol_version_is_dropped_and_counted() -> None:
     assert decoder.stats.dropped_version == 2
     assert decoder.stats.dropped_malformed == 0
     assert decoder.stats.decoded == 0
+
+
+def test_a_register_from_before_the_device_fields_still_decodes() -> None:
+    new = Register(
+        worker_id="w", model="m", dtype="float32", device="cpu", num_kv_blocks=8, block_size=16,
+        kv_capacity_tokens=128, max_model_len=512, max_num_seqs=4, device_name="EPYC", pid=1,
+    )  # fmt: skip
+    old = {k: v for k, v in msgspec.to_builtins(new).items() if not k.startswith("device_")}
+    decoder = worker_message_decoder()
+    message = decoder.decode(msgspec.msgpack.encode(old))
+    assert isinstance(message, Register) and decoder.stats.num_dropped == 0
+    assert (message.device_name, message.device_memory_bytes) == (None, None)
+    assert message == msgspec.structs.replace(new, device_name=None)
 
 
 def test_size_caps_hold_on_decode() -> None:

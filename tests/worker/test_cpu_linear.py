@@ -28,6 +28,7 @@ def _engine(path: Path, cpu_kernels: bool) -> Engine:
     config = EngineConfig(
         model=str(path),
         dtype="float32",
+        device="cpu",  # the CPU kernels under test
         num_kv_blocks=64,
         block_size=8,
         max_num_seqs=8,

@@ -41,6 +41,7 @@ from wire.messages import (
 from wire.sampling import SamplingParams
 from wire.tier import DEFAULT_TIERS
 from worker.config import EngineConfig
+from worker.cpu_isa import read_cpuinfo
 from worker.engine import Engine
 from worker.models.store import DEFAULT_MODEL
 
@@ -189,7 +190,8 @@ def test_register_has_sane_fields(register: Register, gateway: Gateway) -> None:
     assert register.model == DEFAULT_MODEL
     # dtype "auto" (the worker's default) with the default model, its Q4_1 GGUF: quantized linears
     # compute in float32 on CPU
-    assert (register.dtype, register.device) == ("float32", "cpu")
+    assert (register.dtype, register.device) == ("float32", "cpu")  # --device auto, on this CPU box
+    assert (register.device_name, register.device_memory_bytes) == (read_cpuinfo()[0], None)
     assert register.pid == gateway.process.pid
     assert register.block_size == 16
     assert register.num_kv_blocks > 0

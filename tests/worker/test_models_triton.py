@@ -132,6 +132,7 @@ def _engine(path: Path, backend: str, graphs: bool = False) -> Engine:
         max_num_seqs=4,
         kernel_backend=backend,
         max_num_batched_tokens=64,
+        cuda_graphs=False,  # eager: the reference the graphed paths are compared with
     )
     runner, model_config, num_blocks = build_model_runner(config, path)
     if graphs:  # the static-buffer decode path, run eagerly: buckets 1, 2, 4 with padding
