@@ -18,7 +18,7 @@ so a decode step can be captured in a CUDA graph).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -40,7 +40,17 @@ class KernelBackend(enum.Enum):
     TRITON = "triton"  # kernels/triton_ops: the CUDA path (or the interpreter on CPU, in tests)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
+class TorchPlan:
+    """What the torch reference reads per step: the decode gather and the prefill chunks, planned once
+    per step (never per layer)."""
+
+    has_padding_slots: bool
+    decode: DecodeGather | None
+    prefills: list[PrefillSeq]
+
+
+@dataclass(slots=True, frozen=True)
 class TritonStepTensors:
     """What the Triton kernels read per step: device tensors, plus host bounds that size their grids."""
 
@@ -50,13 +60,14 @@ class TritonStepTensors:
     max_prefill_query_len: int  # the longest prefill chunk (0: none)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class AttentionMetadata:
     """A flat ragged batch of T new tokens from B sequences. The first num_decodes sequences
     have exactly one new token each (decode); the rest are prefill chunks.
 
-    Fill the first six fields, then call ``prepare()`` (or use ``build``) once per step; the backend
-    relies on the derived fields.
+    Made in one call: :meth:`build` checks the batch and has the chosen backend plan it (``plan``:
+    a :class:`TorchPlan` or :class:`TritonStepTensors`, what that backend reads and nothing else).
+    CUDA-graph capture builds its static metadata directly, with a Triton plan over its buffers.
     """
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) of each new token
@@ -65,14 +76,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64 (rows padded with 0)
     num_decodes: int
     block_size: int
+    plan: TorchPlan | TritonStepTensors
     sliding_window: int | None = None  # the model's (Mistral); None = full causal attention
-    backend: KernelBackend = KernelBackend.TORCH  # which kernels the derived fields are for
-
-    # derived by prepare(): once per step, never per layer
-    has_padding_slots: bool = True
-    decode: DecodeGather | None = None  # torch backend
-    prefills: list[PrefillSeq] = field(default_factory=list)  # torch backend
-    triton: TritonStepTensors | None = None  # Triton backend
     num_padding_tokens: int = 0  # rows of T past query_start_loc[-1] (their output rows are zeros)
 
     @classmethod
@@ -88,18 +93,42 @@ class AttentionMetadata:
         sliding_window: int | None = None,
         backend: KernelBackend = KernelBackend.TORCH,
     ) -> AttentionMetadata:
-        meta = cls(
+        """Check the batch and plan it for ``backend``; ``ValueError`` naming what is inconsistent."""
+        num_seqs = len(seq_lens)
+        if len(query_start_loc) != num_seqs + 1 or query_start_loc[0] != 0:
+            raise ValueError(f"query_start_loc must have B+1={num_seqs + 1} entries starting at 0")
+        if not 0 <= num_decodes <= num_seqs:
+            raise ValueError(f"num_decodes={num_decodes} outside 0..{num_seqs}")
+        if block_tables.shape[0] < num_seqs:
+            raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
+        num_rows, num_tokens = slot_mapping.shape[0], query_start_loc[-1]
+        if num_rows < num_tokens:
+            raise ValueError(f"slot_mapping has {num_rows} entries for {num_tokens} new tokens")
+        for i in range(num_seqs):
+            query_len = query_start_loc[i + 1] - query_start_loc[i]
+            if query_len < 1 or query_len > seq_lens[i]:
+                raise ValueError(f"sequence {i}: {query_len} new tokens for seq_len {seq_lens[i]}")
+            if i < num_decodes and query_len != 1:
+                raise ValueError(f"decode sequence {i} has {query_len} new tokens, expected 1")
+        plan: TorchPlan | TritonStepTensors
+        if backend is KernelBackend.TRITON:
+            plan = _plan_triton(slot_mapping.device, query_start_loc, seq_lens, num_decodes)
+        else:
+            plan = _plan_torch(
+                slot_mapping, query_start_loc, seq_lens, block_tables, num_decodes, block_size, sliding_window
+            )
+        padding = num_rows - num_tokens
+        return cls(
             slot_mapping,
             query_start_loc,
             seq_lens,
             block_tables,
             num_decodes,
             block_size,
+            plan,
             sliding_window,
-            backend,
+            padding,
         )
-        meta.prepare()
-        return meta
 
     @property
     def num_seqs(self) -> int:
@@ -110,54 +139,41 @@ class AttentionMetadata:
         """New tokens that belong to a sequence (T minus trailing padding)."""
         return self.query_start_loc[-1]
 
-    def prepare(self) -> None:
-        """Validate the batch and compute the derived per-step fields."""
-        num_seqs = self.num_seqs
-        if len(self.query_start_loc) != num_seqs + 1 or self.query_start_loc[0] != 0:
-            raise ValueError(f"query_start_loc must have B+1={num_seqs + 1} entries starting at 0")
-        if not 0 <= self.num_decodes <= num_seqs:
-            raise ValueError(f"num_decodes={self.num_decodes} outside 0..{num_seqs}")
-        if self.block_tables.shape[0] < num_seqs:
-            raise ValueError(f"block_tables has {self.block_tables.shape[0]} rows for {num_seqs} sequences")
-        num_rows = self.slot_mapping.shape[0]
-        if num_rows < self.num_tokens:
-            raise ValueError(f"slot_mapping has {num_rows} entries for {self.num_tokens} new tokens")
-        for i in range(num_seqs):
-            query_len = self.query_start_loc[i + 1] - self.query_start_loc[i]
-            if query_len < 1 or query_len > self.seq_lens[i]:
-                raise ValueError(f"sequence {i}: {query_len} new tokens for seq_len {self.seq_lens[i]}")
-            if i < self.num_decodes and query_len != 1:
-                raise ValueError(f"decode sequence {i} has {query_len} new tokens, expected 1")
-        self.num_padding_tokens = num_rows - self.num_tokens
-        if self.backend is KernelBackend.TRITON:
-            self._prepare_triton()
-            return
-        self.has_padding_slots = bool((self.slot_mapping < 0).any())
-        self.decode = None
-        if self.num_decodes:
-            self.decode = plan_decode(
-                self.block_tables, self.seq_lens[: self.num_decodes], self.block_size, self.sliding_window
-            )
-        self.prefills = plan_prefill(
-            self.block_tables,
-            self.query_start_loc,
-            self.seq_lens,
-            self.block_size,
-            first_seq=self.num_decodes,
-            sliding_window=self.sliding_window,
-        )
 
-    def _prepare_triton(self) -> None:
-        # the kernels skip negative slots themselves: no host-side scan (it would sync the GPU)
-        device = self.slot_mapping.device
-        lens, starts = self.seq_lens, self.query_start_loc
-        prefill_lens = [starts[i + 1] - starts[i] for i in range(self.num_decodes, self.num_seqs)]
-        self.triton = TritonStepTensors(
-            seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
-            max_decode_len=max(lens[: self.num_decodes], default=0),
-            max_prefill_query_len=max(prefill_lens, default=0),
-        )
+def _plan_torch(
+    slot_mapping: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    num_decodes: int,
+    block_size: int,
+    sliding_window: int | None,
+) -> TorchPlan:
+    decode = None
+    if num_decodes:
+        decode = plan_decode(block_tables, seq_lens[:num_decodes], block_size, sliding_window)
+    prefills = plan_prefill(
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        block_size,
+        first_seq=num_decodes,
+        sliding_window=sliding_window,
+    )
+    return TorchPlan(bool((slot_mapping < 0).any()), decode, prefills)
+
+
+def _plan_triton(
+    device: torch.device, query_start_loc: list[int], seq_lens: list[int], num_decodes: int
+) -> TritonStepTensors:
+    # the kernels skip negative slots themselves: no host-side scan (it would sync the GPU)
+    prefill_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_decodes, len(seq_lens))]
+    return TritonStepTensors(
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=device),
+        max_decode_len=max(seq_lens[:num_decodes], default=0),
+        max_prefill_query_len=max(prefill_lens, default=0),
+    )
 
 
 class AttentionBackend(Protocol):
@@ -200,15 +216,18 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_kv(k, v, kv_cache, meta.slot_mapping, has_padding=meta.has_padding_slots)
+        plan = meta.plan
+        if not isinstance(plan, TorchPlan):
+            raise ValueError("TorchPagedAttention needs metadata built with backend=KernelBackend.TORCH")
+        store_kv(k, v, kv_cache, meta.slot_mapping, has_padding=plan.has_padding_slots)
         parts: list[torch.Tensor] = []
-        if meta.decode is not None:
-            workspace = self._decode_workspace(kv_cache, meta.decode)
+        if plan.decode is not None:
+            workspace = self._decode_workspace(kv_cache, plan.decode)
             parts.append(
-                paged_decode_attention(q[: meta.num_decodes], kv_cache, meta.decode, scale, workspace)
+                paged_decode_attention(q[: meta.num_decodes], kv_cache, plan.decode, scale, workspace)
             )
-        if meta.prefills:
-            parts.append(paged_prefill_attention(q, k, v, kv_cache, meta.prefills, scale))
+        if plan.prefills:
+            parts.append(paged_prefill_attention(q, k, v, kv_cache, plan.prefills, scale))
         if meta.num_padding_tokens:
             parts.append(q.new_zeros(meta.num_padding_tokens, q.shape[1], q.shape[2]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -236,8 +255,8 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        step = meta.triton
-        if step is None:
+        step = meta.plan
+        if not isinstance(step, TritonStepTensors):
             raise ValueError("TritonPagedAttention needs metadata built with backend=KernelBackend.TRITON")
         ops = self._ops
         ops.store_kv(k, v, kv_cache, meta.slot_mapping)

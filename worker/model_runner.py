@@ -220,9 +220,8 @@ class DecodeGraphs:
                 block_tables=self.tables[:b],
                 num_decodes=b,
                 block_size=block_size,
+                plan=TritonStepTensors(self.header[3, :b], query_start_loc[: b + 1], max_model_len, 0),
                 sliding_window=model.config.sliding_window,
-                backend=KernelBackend.TRITON,
-                triton=TritonStepTensors(self.header[3, :b], query_start_loc[: b + 1], max_model_len, 0),
             )
             for b in self.batch_sizes
         }

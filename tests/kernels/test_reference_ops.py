@@ -15,7 +15,7 @@ from kernels.activation import silu_and_mul
 from kernels.paged_attention import slot_view, split_buckets, store_kv
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary, build_cos_sin_cache
-from worker.attention import AttentionMetadata, TorchPagedAttention
+from worker.attention import AttentionMetadata, TorchPagedAttention, TorchPlan
 
 
 def _naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -214,7 +214,8 @@ def test_paged_attention_matches_dense(
     before = kv_cache.clone()
     out = TorchPagedAttention().forward(q, k, v, kv_cache, meta, scale)
     if batch == "decode-buckets" and block_size == 4:
-        assert meta.decode is not None and len(meta.decode.buckets) == 2
+        assert isinstance(meta.plan, TorchPlan) and meta.plan.decode is not None
+        assert len(meta.plan.decode.buckets) == 2
 
     assert out.shape == (q.shape[0], num_heads, head_dim)
     assert not kv_cache.isnan().any(), "a padding token was written"
