@@ -91,6 +91,10 @@ class _Tracked:
     link: int  # the gateway that sent its Submit: its tokens go there, only its Abort counts
 
 
+def _link_of(owner: object) -> int | None:
+    return owner.link if isinstance(owner, _Tracked) else None
+
+
 class WorkerDaemon:
     def __init__(
         self,
@@ -115,7 +119,6 @@ class WorkerDaemon:
         self.worker_id = worker_id
         self.model_name = model_name or _model_name(engine.config.model)
         self.context_classes = list(context_classes)  # what Register announces; empty: every class
-        self._requests: dict[str, _Tracked] = {}
         self.orphan_timeout_s = orphan_timeout_s
         self._num_steps = 0
         self._step_time_ema_ms = 0.0
@@ -185,7 +188,7 @@ class WorkerDaemon:
         for link, since in enumerate(self.io.down_since):
             if since is None or now - since < self.orphan_timeout_s:
                 continue
-            orphans = [request_id for request_id, tracked in self._requests.items() if tracked.link == link]
+            orphans = [request_id for request_id, owner in self.engine.owners() if _link_of(owner) == link]
             if orphans:
                 log.warning(
                     "worker %s: gateway %s gone for %.0f s; aborting its %d requests",
@@ -205,7 +208,7 @@ class WorkerDaemon:
             request_id = getattr(message, "request_id", None)
             log.exception("unexpected error handling %s for request %s", type(message).__name__, request_id)
             if isinstance(message, Submit):
-                tracked = self._requests.get(message.request_id)
+                tracked = self._tracked(message.request_id)
                 if tracked is not None and tracked.link == item.link:
                     self._drop(message.request_id)
                 self._reject(
@@ -220,7 +223,7 @@ class WorkerDaemon:
             for snapshot in self._kv_events.snapshot():  # to the gateway that asked only
                 self.io.send_to(link, snapshot)
         elif isinstance(message, Abort):
-            tracked = self._requests.get(message.request_id)
+            tracked = self._tracked(message.request_id)
             # Only the matching epoch: a late Abort of a failed-over attempt must not kill the new one;
             # and only from the gateway that sent the request.
             if tracked is not None and tracked.epoch == message.epoch and tracked.link == link:
@@ -232,7 +235,9 @@ class WorkerDaemon:
     def _shutdown(self, message: Shutdown) -> Shutdown | None:
         if message.drain:
             if not self._is_draining:
-                log.info("worker %s draining: %d requests in flight", self.worker_id, len(self._requests))
+                log.info(
+                    "worker %s draining: %d requests in flight", self.worker_id, self.engine.num_requests
+                )
                 self._is_draining = True
                 self.io.send(DrainNotice(worker_id=self.worker_id, reason="shutdown requested"))
             return None
@@ -242,7 +247,7 @@ class WorkerDaemon:
         if self._is_draining:
             self._reject(submit, link, 503, "worker", f"worker {self.worker_id} is draining; retry elsewhere")
             return
-        tracked = self._requests.get(submit.request_id)
+        tracked = self._tracked(submit.request_id)
         if tracked is not None:
             # The engine knows a request by its id alone, and ids are unique per gateway only. The
             # gateway's ids are random (uuid4), so two gateways meet here only by mistake: refuse.
@@ -272,17 +277,20 @@ class WorkerDaemon:
                 cache_salt=submit.cache_salt,
                 tenant=submit.tenant,
                 seen_token_ids=submit.resumed_token_ids,
+                owner=_Tracked(submit.epoch, num_resumed, link),
             )
         except InvalidRequestError as exc:
             self._reject(submit, link, 400, exc.field, exc.message)
             return
-        self._requests[submit.request_id] = _Tracked(submit.epoch, num_resumed, link)
         self._tracing.begin(submit, len(submit.prompt_token_ids))
 
     def _drop(self, request_id: str) -> None:
-        """Forget a request and take it out of the engine (its blocks freed); nothing more is sent."""
-        del self._requests[request_id]
+        """Take a request out of the engine (its blocks freed); nothing more is sent for it."""
         self.engine.abort(request_id)
+
+    def _tracked(self, request_id: str) -> _Tracked | None:
+        owner = self.engine.owner(request_id)
+        return owner if isinstance(owner, _Tracked) else None
 
     def _reject(self, submit: Submit, link: int, status: int, field: str, message: str) -> None:
         self.io.send_to(
@@ -305,7 +313,7 @@ class WorkerDaemon:
         except Exception:
             # The engine already confines a failed model step to its requests; this is anything else
             # (sampler, detokenizer). We cannot tell whose fault it was, so everyone running fails.
-            log.exception("engine step failed; failing requests %s", list(self._requests))
+            log.exception("engine step failed; failing requests %s", [i for i, _ in self.engine.owners()])
             outputs = self._end_all(error="internal error")
         elapsed_ms = (time.perf_counter() - start) * 1000
         self._num_steps += 1
@@ -319,11 +327,9 @@ class WorkerDaemon:
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         by_link: dict[int, list[TokenDelta]] = {}
         for output in outputs:
-            tracked = self._requests.get(output.request_id)
-            if tracked is None:
-                continue  # aborted or superseded: the gateway wants nothing more for it
-            if output.is_finished:
-                del self._requests[output.request_id]
+            tracked = output.owner
+            if not isinstance(tracked, _Tracked):
+                continue  # not one the daemon submitted: nobody to send it to
             by_link.setdefault(tracked.link, []).append(self._delta(output, tracked))
         for link, deltas in by_link.items():  # each gateway gets the tokens of its own requests
             for i in range(0, len(deltas), MAX_DELTAS_PER_BATCH):
@@ -353,13 +359,13 @@ class WorkerDaemon:
         )
 
     def _abort_all(self) -> None:
-        log.info("worker %s stopping now: aborting %d requests", self.worker_id, len(self._requests))
+        log.info("worker %s stopping now: aborting %d requests", self.worker_id, self.engine.num_requests)
         self._send_outputs(self._end_all(error=None))
 
     def _end_all(self, *, error: str | None) -> list[RequestOutput]:
         """Drop every request from the engine; their final outputs ("error" or "abort") to send."""
         reason = FinishReason.ERROR if error is not None else FinishReason.ABORT
-        return [self.engine.end(request_id, reason, error) for request_id in list(self._requests)]
+        return [self.engine.end(request_id, reason, error) for request_id, _ in self.engine.owners()]
 
     # ---- what we tell the gateway about ourselves ---------------------------------------------
 

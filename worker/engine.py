@@ -46,6 +46,7 @@ class _RequestState:
     request: Request
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    owner: object = None  # the caller's, opaque here (the daemon: which gateway, which epoch)
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,6 +131,7 @@ class Engine:
         cache_salt: str | None = None,
         tenant: str | None = None,
         seen_token_ids: Sequence[int] = (),
+        owner: object = None,
     ) -> str:
         """Validate and queue a request; raises :class:`InvalidRequestError` naming the bad field.
 
@@ -176,9 +178,24 @@ class Engine:
         for token_id in seen_token_ids:
             detokenizer.update([token_id])
         self._states[request_id] = _RequestState(
-            request, detokenizer, make_generator(params.seed, self.runner.device)
+            request, detokenizer, make_generator(params.seed, self.runner.device), owner
         )
         return request_id
+
+    # ---- the live requests (one registry: the engine's) ----------------------------------------
+
+    def owner(self, request_id: str) -> object:
+        """What was attached to a live request at ``add_request`` (None: not live, or nothing)."""
+        state = self._states.get(request_id)
+        return None if state is None else state.owner
+
+    def owners(self) -> list[tuple[str, object]]:
+        """Every live request and its owner, in arrival order."""
+        return [(request_id, state.owner) for request_id, state in self._states.items()]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._states)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its blocks go back to the pool. False if unknown."""
@@ -192,8 +209,8 @@ class Engine:
         request = self.scheduler.requests.get(request_id)
         self.observer.on_abort(request_id)
         if request is None:
-            self._states.pop(request_id, None)
-            return RequestOutput(request_id, [], "", reason, error=error)
+            state = self._states.pop(request_id, None)
+            return RequestOutput(request_id, [], "", reason, error=error, owner=state and state.owner)
         return self._finish(request, reason, error)
 
     def has_unfinished(self) -> bool:
@@ -278,6 +295,7 @@ class Engine:
             request.num_prompt_tokens,
             request.num_output_tokens,
             request.num_cached_tokens,
+            owner=state.owner,
         )
         if reason is not None:
             self.scheduler.finish(request.request_id, reason)
@@ -286,7 +304,7 @@ class Engine:
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self.scheduler.finish(request.request_id, reason)
-        self._states.pop(request.request_id, None)
+        state = self._states.pop(request.request_id, None)
         return RequestOutput(
             request.request_id,
             [],
@@ -297,6 +315,7 @@ class Engine:
             request.num_output_tokens,
             request.num_cached_tokens,
             error,
+            None if state is None else state.owner,
         )
 
     # ---- in-process convenience --------------------------------------------------------------

@@ -21,6 +21,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    owner: object = None  # what the caller attached at add_request (the daemon: its gateway link)
 
     @property
     def is_finished(self) -> bool:
