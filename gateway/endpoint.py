@@ -15,7 +15,13 @@ from typing import Generic, TypeVar
 from gateway.errors import APIError
 from gateway.logprobs import TokenTexts
 from gateway.openai_api import ChatRenderer, CompletionRenderer, Renderer
-from gateway.openai_requests import ChatCompletionRequest, CompletionRequest, decode_chat, decode_completion
+from gateway.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_chat,
+    decode_completion,
+    template_messages,
+)
 from gateway.tokenizer import PromptBuilder, TemplateError, chat_ids_async, text_ids_async
 
 Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
@@ -45,7 +51,7 @@ class Endpoint(Generic[Body]):
 
 def chat_prompts(body: ChatCompletionRequest, max_prompts: int) -> Prompts:
     """The messages, content flattened to text, as one prompt through the model's chat template."""
-    messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
+    messages = template_messages(body.messages)
 
     async def tokenize(builder: PromptBuilder) -> list[list[int]]:
         try:

@@ -128,6 +128,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
         return tuple(pairs)
 
 
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as a chat template takes them: the template's role names, content as text."""
+    return [{"role": m.template_role(), "content": m.text()} for m in messages]
+
+
 def check_messages(messages: Sequence[ChatMessage]) -> None:
     """Each message's role known (``messages[i].role`` named otherwise); tool messages refused."""
     for i, message in enumerate(messages):

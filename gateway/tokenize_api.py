@@ -14,12 +14,11 @@ keys as the completion routes; unknown fields are a 400, not ignored.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import msgspec
 
 from gateway.errors import APIError
-from gateway.openai_requests import ChatMessage, check_messages, decode_body
+from gateway.openai_requests import ChatMessage, check_messages, decode_body, template_messages
 from gateway.state import Gateway
 from wire.errors import InvalidRequestError
 
@@ -73,7 +72,7 @@ async def tokenize(gateway: Gateway, body: TokenizeRequest) -> TokenizeResponse:
     builder = gateway.builder(body.model)  # 404 for a model not served here
     max_model_len = _max_model_len(gateway, body.model)
     if body.messages is not None:
-        messages: list[Any] = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
+        messages = template_messages(body.messages)
         ids = await asyncio.to_thread(builder.chat_ids, messages, body.add_generation_prompt)
     else:
         assert body.prompt is not None

@@ -210,7 +210,8 @@ class Engine:
         self.observer.on_abort(request_id)
         if request is None:
             state = self._states.pop(request_id, None)
-            return RequestOutput(request_id, [], "", reason, error=error, owner=state and state.owner)
+            owner = None if state is None else state.owner
+            return RequestOutput(request_id, [], "", reason, error=error, owner=owner)
         return self._finish(request, reason, error)
 
     def has_unfinished(self) -> bool:

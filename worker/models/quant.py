@@ -125,6 +125,17 @@ QUANTIZATION_KINDS = {"int8": "q8_0", "int4": "q4_1"}
 LOGITS_KIND = "q8_0"
 
 
+def _children(model: nn.Module, kind: type[nn.Module]) -> list[tuple[nn.Module, str, str, nn.Module]]:
+    """Every submodule of type ``kind`` as (parent, attribute name, dotted path, module), listed before
+    any is replaced."""
+    return [
+        (parent, name, f"{parent_name}.{name}" if parent_name else name, child)
+        for parent_name, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if isinstance(child, kind)
+    ]
+
+
 def quantize_linears(model: nn.Module, kind: str, keep: tuple[str, ...] = ()) -> int:
     """Quantize a float model's projections to ``kind`` on the fly (llama.cpp's reference quantizer):
     every nn.Linear becomes a QuantLinear (on the weight's device), the logits in ``LOGITS_KIND`` at
@@ -132,20 +143,17 @@ def quantize_linears(model: nn.Module, kind: str, keep: tuple[str, ...] = ()) ->
     lookups stay float, and so do the modules ``keep`` names (``wire/full_precision.py``). How many."""
     count, kept, kept_bytes, saved_bytes = 0, 0, 0, 0
     logits_kind = LOGITS_KIND if kind.startswith("q4") else kind
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            path = f"{parent_name}.{name}" if parent_name else name
-            chosen = logits_kind if child is getattr(model, "lm_head", None) else kind
-            if keeps(keep, path):
-                kept += 1
-                kept_bytes += child.weight.numel() * child.weight.element_size()
-                saved_bytes += QuantizedWeight.bytes_for(chosen, tuple(child.weight.shape))  # type: ignore[arg-type]
-                continue
-            weight = QuantizedWeight.quantize(child.weight, chosen).to(child.weight.device)
-            setattr(parent, name, QuantLinear(weight, child.bias))
-            count += 1
+    for parent, name, path, child in _children(model, nn.Linear):
+        assert isinstance(child, nn.Linear)
+        chosen = logits_kind if child is getattr(model, "lm_head", None) else kind
+        if keeps(keep, path):
+            kept += 1
+            kept_bytes += child.weight.numel() * child.weight.element_size()
+            saved_bytes += QuantizedWeight.bytes_for(chosen, tuple(child.weight.shape))  # type: ignore[arg-type]
+            continue
+        weight = QuantizedWeight.quantize(child.weight, chosen).to(child.weight.device)
+        setattr(parent, name, QuantLinear(weight, child.bias))
+        count += 1
     embedding = getattr(model, "embed_tokens", None)
     if getattr(model, "lm_head", True) is None and isinstance(embedding, nn.Embedding):
         if keeps(keep, "lm_head"):  # tied and kept: the logits read the float embedding, as before
@@ -172,21 +180,18 @@ def keep_full_precision(model: nn.Module, keep: tuple[str, ...], dtype: torch.dt
     if not keep:
         return 0
     count, extra = 0, 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            path = f"{parent_name}.{name}" if parent_name else name
-            if not isinstance(child, QuantLinear) or not keeps(keep, path):
-                continue
-            weight = child.dequantized().to(dtype)
-            linear = nn.Linear(
-                child.in_features, child.out_features, bias=child.bias is not None, device="meta"
-            )
-            linear.weight = nn.Parameter(weight, requires_grad=False)
-            if child.bias is not None:
-                linear.bias = nn.Parameter(child.bias.detach().to(dtype), requires_grad=False)
-            setattr(parent, name, linear)
-            count += 1
-            extra += weight.numel() * weight.element_size() - child.weight_bytes
+    for parent, name, path, child in _children(model, QuantLinear):
+        assert isinstance(child, QuantLinear)
+        if not keeps(keep, path):
+            continue
+        weight = child.dequantized().to(dtype)
+        linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if child.bias is not None:
+            linear.bias = nn.Parameter(child.bias.detach().to(dtype), requires_grad=False)
+        setattr(parent, name, linear)
+        count += 1
+        extra += weight.numel() * weight.element_size() - child.weight_bytes
     log.info(
         "kept in full precision (%s): %d linears dequantized to %s, %.1f MB more than quantized",
         ", ".join(keep),
