@@ -2,7 +2,8 @@
 
     request ─▶ Admission(model).admit(tier, seats) ─▶ the admission policy decides (policies/admission.py)
                  ├─ admit ─▶ go now
-                 ├─ queue ─▶ wait in the tier's queue (most urgent tier served first, FIFO within a tier)
+                 ├─ queue ─▶ wait in the tier's queue (most urgent tier served first; within a tier by
+                 │           the body's ``priority``, lower first, then arrival)
                  └─ shed ──▶ Shed: 429, Retry-After from the drain rate
 
 This module is the mechanism; the built-in ``bounded-queue`` policy admits while there are seats and
@@ -52,6 +53,7 @@ class Shed(Exception):
 class _Waiter:
     tier: Tier
     seats: int
+    priority: int
     enqueued_at: float
     granted: asyncio.Future[None]
 
@@ -120,15 +122,16 @@ class Admission:
 
     # ---- admitting ----------------------------------------------------------------------------
 
-    async def admit(self, tier: Tier, seats: int = 1) -> Ticket:
+    async def admit(self, tier: Tier, seats: int = 1, priority: int = 0) -> Ticket:
         """Seats for one request: at once, after waiting in ``tier``'s queue, or :class:`Shed`.
 
+        In the queue a request goes behind every waiter of its tier whose ``priority`` is not larger.
         Cancelling the caller while it waits (the client went away) leaves the queue cleanly.
         """
         if tier.name not in self._queues:
             raise KeyError(f"unknown tier {tier.name!r}")
         now = self._clock()
-        decision = self.policy.decide(self.view(tier, seats))
+        decision = self.policy.decide(self.view(tier, seats, priority))
         if decision.action == "admit":
             self._in_use += seats
             self.counts[tier.name].admitted += 1
@@ -136,8 +139,8 @@ class Admission:
         if decision.action == "shed":
             raise self._shed(tier, decision.reason or "overloaded")
         queue = self._queues[tier.name]
-        waiter = _Waiter(tier, seats, now, asyncio.get_running_loop().create_future())
-        queue.append(waiter)
+        waiter = _Waiter(tier, seats, priority, now, asyncio.get_running_loop().create_future())
+        queue.insert(self._position(queue, priority), waiter)
         try:
             await waiter.granted
         except asyncio.CancelledError:
@@ -152,16 +155,26 @@ class Admission:
         self.counts[tier.name].queued += 1
         return Ticket(self, tier, seats, self._clock() - now)
 
-    def view(self, tier: Tier, seats: int) -> AdmissionView:
+    @staticmethod
+    def _position(queue: collections.deque[_Waiter], priority: int) -> int:
+        """Where a waiter of ``priority`` joins its tier's queue: behind every one not larger."""
+        for i, waiter in enumerate(queue):
+            if waiter.priority > priority:
+                return i
+        return len(queue)
+
+    def view(self, tier: Tier, seats: int, priority: int = 0) -> AdmissionView:
         """What the admission policy decides on for a request of ``tier`` asking for ``seats``."""
-        ahead = [t for t in self._tiers if t.rank <= tier.rank]
+        more_urgent = [t for t in self._tiers if t.rank < tier.rank]
+        queue = self._queues[tier.name]
         return AdmissionView(
             tier=tier,
             seats=seats,
             seats_in_use=self._in_use,
             capacity=self._capacity(),
-            queue_length=len(self._queues[tier.name]),
-            seats_ahead=sum(w.seats for t in ahead for w in self._queues[t.name]),
+            queue_length=len(queue),
+            seats_ahead=sum(w.seats for t in more_urgent for w in self._queues[t.name])
+            + sum(w.seats for w in queue if w.priority <= priority),
             more_urgent_waiting=any(self._queues[t.name] for t in self._tiers if t.rank < tier.rank),
             drain_rate=self.drain_rate(),
         )

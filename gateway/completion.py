@@ -63,6 +63,7 @@ class Job:
     operation: str  # gen_ai.operation.name: "chat" or "text_completion" (gateway/endpoint.py)
     requested_model: str | None = None  # what the client asked for, when ``model`` is its fallback
     is_degraded: bool = False  # served by the fallback pool (the degradation policy chose, once)
+    priority: int = 0  # the body's ``priority``: order within the tier (lower first)
     arrival: float = field(default_factory=time.monotonic)
 
     @property
@@ -102,7 +103,9 @@ async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
     tracer = gateway.telemetry.tracer
     with tracer.start_as_current_span(attr.ADMISSION, attributes={attr.SEATS: len(job.choices)}) as admitted:
         try:
-            ticket = await until_disconnect(receive, admission.admit(tier, seats=len(job.choices)))
+            ticket = await until_disconnect(
+                receive, admission.admit(tier, seats=len(job.choices), priority=job.priority)
+            )
         except Shed as exc:
             gateway.metrics.shed.inc(*labels)
             gateway.metrics.requests.inc(*labels, "429")
@@ -220,6 +223,7 @@ class _Run:
                     trace_context=trace_context,
                     tenant=job.identity.tenant.name,
                     cache_salt=job.identity.cache_salt,
+                    priority=job.priority,
                     context_class=self.gateway.config.gateway.context_class(len(choice.prompt_ids)),
                 )
                 if route.is_recording():

@@ -228,6 +228,7 @@ class Dispatcher:
         trace_context: Mapping[str, str] | None = None,
         tenant: str | None = None,
         context_class: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Send the request to the ready worker of ``model`` the routing policy picks;
         :class:`NoWorkerAvailable` if there is none (or every one we tried turned out to be gone)."""
@@ -243,6 +244,7 @@ class Dispatcher:
             tier=tier,
             cache_salt=cache_salt,
             tenant=tenant,
+            priority=priority,
             trace_context=dict(trace_context or {}),
             arrival_time=time.time(),
         )

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
 from wire.errors import InvalidRequestError
+from wire.messages import MAX_PRIORITY
 from wire.sampling import SamplingParams
 
 
@@ -85,6 +86,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # vLLM's scheduling priority: within the request's SLA tier, lower runs first (default 0). The
+    # tier (X-SLA-Tier, the tenant's default) always comes first; docs/api.md says how they combine.
+    priority: Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY - 1, le=MAX_PRIORITY)] = 0
 
     @property
     def include_usage(self) -> bool:

@@ -22,8 +22,9 @@ class Newest:
 
 
 class LowestTier:
-    """The least urgent tier gives way first; within it the request with the least progress (fewest
-    computed tokens: the cheapest to recompute), then the newest.
+    """The least urgent tier gives way first; within it the largest ``priority`` value (vLLM's order),
+    then the request with the least progress (fewest computed tokens: the cheapest to recompute),
+    then the newest.
 
     Invariant beyond the Protocol's: never preempts a request while one of a less urgent tier runs.
     """
@@ -35,4 +36,6 @@ class LowestTier:
         pass
 
     def victim(self, candidates: Sequence[SeqView]) -> SeqView:
-        return max(candidates, key=lambda r: (r.tier_rank, -r.num_computed_tokens, r.arrival_time))
+        return max(
+            candidates, key=lambda r: (r.tier_rank, r.priority, -r.num_computed_tokens, r.arrival_time)
+        )

@@ -94,6 +94,7 @@ class SimRequest:
     num_prompt_tokens: int
     num_output_tokens: int
     tenant: str | None = None
+    priority: int = 0  # within the tier, lower first
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1 or self.num_output_tokens < 1:
@@ -177,6 +178,10 @@ class SimSeq:
     @property
     def tenant(self) -> str | None:
         return self._spec.tenant
+
+    @property
+    def priority(self) -> int:
+        return self._spec.priority
 
     @property
     def arrival_time(self) -> float:

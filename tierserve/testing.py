@@ -178,6 +178,7 @@ class _Harness:
                 SamplingParams(max_tokens=spec.num_output_tokens, ignore_eos=True),
                 tier=TierRef(tier.name, tier.rank, tier.ttft_ms, tier.tpot_ms),
                 tenant=spec.tenant,
+                priority=spec.priority,
                 arrival_time=spec.arrival_time,
             )
             self.scheduler.add(request)

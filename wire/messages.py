@@ -36,6 +36,7 @@ MAX_DELTAS_PER_BATCH = 4096  # an engine with more running requests splits its T
 MAX_QUANT_LAYERS = 4096  # quantized linears a Register reports errors for
 MAX_KV_HASHES = 1 << 18  # block hashes in one KVEvents/KVSnapshot (16 bytes each: 4 MiB)
 MAX_TRACE_ENTRIES = 8
+MAX_PRIORITY = (1 << 31) - 1  # vLLM's ``priority`` body field, bounded to a 32-bit int
 MAX_TRACE_VALUE_CHARS = 1024  # W3C tracestate is at most 32 members of ~256 chars; 512 in practice
 
 Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
@@ -220,6 +221,8 @@ class Submit(_Message, tag="submit", frozen=True, kw_only=True):
     tier: Tier
     cache_salt: Id | None = None  # from the tenant: isolates prefix caches (wire.block_hash)
     tenant: Id | None = None  # who asked (fairness policies); never client-chosen
+    # Within the tier, lower runs first (vLLM's ``priority``); the tier always comes first.
+    priority: Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY - 1, le=MAX_PRIORITY)] = 0
     trace_context: Annotated[dict[TraceKey, TraceValue], msgspec.Meta(max_length=MAX_TRACE_ENTRIES)] = {}
     arrival_time: float  # wall-clock at the gateway, for queue-time metrics and deadlines
 

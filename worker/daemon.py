@@ -276,6 +276,7 @@ class WorkerDaemon:
                 tier=TierRef(submit.tier.name, submit.tier.rank, submit.tier.ttft_ms, submit.tier.tpot_ms),
                 cache_salt=submit.cache_salt,
                 tenant=submit.tenant,
+                priority=submit.priority,
                 seen_token_ids=submit.resumed_token_ids,
                 owner=_Tracked(submit.epoch, num_resumed, link),
             )

@@ -130,6 +130,7 @@ class Engine:
         tier: TierRef | None = None,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        priority: int = 0,
         seen_token_ids: Sequence[int] = (),
         owner: object = None,
     ) -> str:
@@ -159,6 +160,7 @@ class Engine:
             tier=tier or TierRef(),
             cache_salt=cache_salt,
             tenant=tenant,
+            priority=priority,
         )
         try:
             self.scheduler.add(request)

@@ -55,6 +55,7 @@ class Request:
     tier: TierRef = field(default_factory=TierRef)
     cache_salt: str | None = None
     tenant: str | None = None
+    priority: int = 0  # within the tier, lower first (vLLM's ``priority``)
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

@@ -93,6 +93,8 @@ BAD_REQUESTS: list[tuple[str, str, bytes | dict[str, object], dict[str, str], in
     ("logit_bias unknown token", CHAT, chat(logit_bias={"999999999": 100}), {}, 400, "logit_bias"),
     ("logit_bias out of range", CHAT, chat(logit_bias={"1": 1e30}), {}, 400, "logit_bias"),
     ("logit_bias key not a token id", CHAT, chat(logit_bias={"hello": 1}), {}, 400, "logit_bias"),
+    ("priority past 32 bits", CHAT, chat(priority=2**40), {}, 400, "priority"),
+    ("priority not an integer", COMPLETIONS, completion(priority="high"), {}, 400, "priority"),
     ("unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), {}, 400, "messages[0].role"),
     (
         "tool message",

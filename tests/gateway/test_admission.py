@@ -76,6 +76,26 @@ async def test_most_urgent_tier_first_then_fifo() -> None:
     assert order == ["i1", "i2", "s1", "s2"]
 
 
+async def test_within_a_tier_lower_priority_first_then_fifo() -> None:
+    admission, _ = make(1)
+    holder = await admission.admit(STANDARD)
+    p5 = asyncio.create_task(admission.admit(STANDARD, priority=5))
+    await settle()
+    p0 = asyncio.create_task(admission.admit(STANDARD, priority=0))
+    await settle()
+    assert admission.queue_length("standard") == 2  # STANDARD's queue is full: [p0, p5]
+    holder.release()
+    first = await asyncio.wait_for(p0, 1)
+    p_minus = asyncio.create_task(admission.admit(STANDARD, priority=-3))  # goes before p5
+    await settle()
+    first.release()
+    second = await asyncio.wait_for(p_minus, 1)
+    assert not p5.done()
+    second.release()
+    (await asyncio.wait_for(p5, 1)).release()
+    assert admission.seats_in_use == 0
+
+
 async def test_a_newcomer_does_not_overtake_waiters_of_its_tier_or_above() -> None:
     admission, seats = make(1)
     holder = await admission.admit(INTERACTIVE)

@@ -37,6 +37,10 @@ def test_lowest_tier_examples() -> None:
     assert policy.victim([batch_far, batch_near, interactive_new]) is batch_near
     assert policy.victim([batch_far, batch_near, batch_near_new, interactive_new]) is batch_near_new
     assert Newest(NoParams()).victim([batch_far, batch_near, interactive_new]) is interactive_new
+    # Within a tier the largest priority value (vLLM's least urgent) goes first.
+    batch_low = View("batch-low", tier_rank=2, num_computed_tokens=900, priority=5)
+    assert policy.victim([batch_far, batch_near, batch_low, interactive_new]) is batch_low
+    assert policy.victim([batch_low, View("standard", tier_rank=1, priority=99)]) is batch_low
 
 
 def test_in_the_harness_the_victim_is_the_one_each_policy_picks() -> None:

@@ -20,6 +20,7 @@ class View:
     tpot_ms: float | None = None
     ttft_deadline: float | None = None
     tenant: str | None = None
+    priority: int = 0
     arrival_time: float = 0.0
     num_prompt_tokens: int = 16
     num_output_tokens: int = 0

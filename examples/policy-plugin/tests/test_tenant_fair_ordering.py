@@ -20,6 +20,7 @@ class View:
 
     request_id: str
     tenant: str | None
+    priority: int = 0
     arrival_time: float = 0.0
     tier_rank: int = 1
     tier_name: str = "standard"
