@@ -29,6 +29,8 @@ from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from policies.step_time import StepTimeLimit
+
 PolicyKind = Literal["ordering", "budget", "preemption", "eviction", "admission", "routing", "degradation"]
 POLICY_KINDS: tuple[PolicyKind, ...] = (
     "ordering",
@@ -100,20 +102,28 @@ class StepLimits:
 @dataclass(frozen=True, slots=True)
 class StepBudget:
     """What one step may hold. ``max_num_tokens`` counts new tokens (a decode is 1, a prefill chunk
-    its length). Requests that do not fit wait for a later step (a running request keeps its KV)."""
+    its length); ``time_limit``, when set, caps the step's predicted time as well (policies.step_time).
+    Requests that do not fit wait for a later step (a running request keeps its KV)."""
 
     max_num_tokens: int
     max_num_seqs: int
+    time_limit: StepTimeLimit | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class StepReport:
-    """What a finished step cost, for budgets that learn: new tokens, context attended, time."""
+    """What a finished step cost, for budgets that learn: new tokens (``num_decodes`` of them
+    single-token requests, the rest prefill), context attended, time."""
 
     num_tokens: int
     num_seqs: int
     num_context_tokens: int  # sum over scheduled requests of their context after the step
     elapsed_ms: float
+    num_decodes: int = 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decodes
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,8 @@ class PolicyContractError(AssertionError):
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Simulated step time in ms: ``fixed + per_token · new tokens + per_context_token · context``.
+    """Simulated step time in ms: ``fixed + per_token · prefill tokens + per_decode · decodes +
+    per_context_token · context`` (``per_decode_ms`` None: a decode costs ``per_token_ms`` too).
 
     ``context`` is the sum over scheduled requests of their context length after the step (what
     ``StepReport.num_context_tokens`` reports and ``worker.mock.MockCost`` charges). ``noise`` > 0
@@ -42,13 +43,27 @@ class CostModel:
     per_context_token_ms: float = 0.0005
     noise: float = 0.0
     seed: int = 0
+    per_decode_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if min(self.fixed_ms, self.per_token_ms, self.per_context_token_ms, self.noise) < 0:
+        terms = (
+            self.fixed_ms,
+            self.per_token_ms,
+            self.per_context_token_ms,
+            self.noise,
+            self.per_decode_ms or 0,
+        )
+        if min(terms) < 0:
             raise ValueError(f"cost terms must not be negative, got {self}")
 
-    def mean_step_ms(self, num_tokens: int, num_context_tokens: int) -> float:
-        return self.fixed_ms + self.per_token_ms * num_tokens + self.per_context_token_ms * num_context_tokens
+    def mean_step_ms(self, num_tokens: int, num_context_tokens: int, num_decodes: int = 0) -> float:
+        per_decode = self.per_token_ms if self.per_decode_ms is None else self.per_decode_ms
+        return (
+            self.fixed_ms
+            + self.per_token_ms * (num_tokens - num_decodes)
+            + per_decode * num_decodes
+            + self.per_context_token_ms * num_context_tokens
+        )
 
 
 @dataclass(frozen=True, slots=True)

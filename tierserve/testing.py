@@ -197,7 +197,8 @@ class _Harness:
         num_tokens = out.total_num_tokens
         context = sum(r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] for r in out.scheduled)
         cost = self.config.cost
-        elapsed_ms = cost.mean_step_ms(num_tokens, context)
+        num_decodes = sum(n == 1 for n in out.num_scheduled_tokens.values())
+        elapsed_ms = cost.mean_step_ms(num_tokens, context, num_decodes)
         if cost.noise > 0:
             elapsed_ms *= max(0.1, 1.0 + self.rng.gauss(0.0, cost.noise))
         if out.is_empty:

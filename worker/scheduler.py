@@ -4,11 +4,14 @@ Every request has ``num_computed_tokens`` and ``num_tokens``; a step gives some 
 ``num_new_tokens`` each under a token budget, so a long prompt is prefilled in chunks while
 other requests keep decoding in the same step. Each step:
 
-  1. the budget policy sizes the step (tokens, sequences), never above the configured ceilings;
+  1. the budget policy sizes the step (tokens, sequences, and optionally a ceiling on its predicted
+     time), never above the configured ceilings;
   2. the ordering policy orders running and waiting requests together; in that order a running
      request gets its next tokens (its decode, or its next prefill chunk) and a waiting one is
      admitted (prefix hits first) while blocks and budget last; requests that do not fit wait, a
-     running one keeping its KV;
+     running one keeping its KV. Under a time limit a decode that would overrun it sits the step
+     out and a prefill chunk is shortened to fit (never below ``MIN_CHUNK_TOKENS`` unless that is
+     all it has left); the step's first request always runs;
   3. when a running request needs a block and none is free, the preemption policy picks a victim
      among the running (possibly the request itself): its blocks are freed (full ones stay cached)
      and it is recomputed later; once anyone was preempted, nobody else is admitted this step.
@@ -26,9 +29,38 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from policies.base import StepLimits, StepReport
+from policies.step_time import StepTimeLimit
 from worker.kv_cache import KVCacheManager
 from worker.policy_set import WorkerPolicies
 from worker.request import FinishReason, Request, RequestStatus
+
+MIN_CHUNK_TOKENS = 16  # a chunk a time limit cuts shorter than this waits for the next step
+
+
+@dataclass(slots=True)
+class _StepClock:
+    """The predicted time of the step being built, against the budget's limit. Time charged for a
+    request that is later preempted in the same step is not given back (the step only gets shorter)."""
+
+    limit: StepTimeLimit
+    spent_ms: float
+
+    def allowed(self, num_new: int, context_before: int, is_first: bool) -> int:
+        """How many of ``num_new`` tokens after ``context_before`` fit (0: sit this step out)."""
+        if is_first:
+            return num_new
+        cost, room = self.limit.cost, self.limit.max_ms - self.spent_ms
+        if num_new == 1:
+            return 1 if cost.decode_ms(context_before + 1) <= room else 0
+        num_fit = min(num_new, cost.chunk_tokens_within(room, context_before))
+        return num_fit if num_fit >= min(num_new, MIN_CHUNK_TOKENS) else 0
+
+    def charge(self, num_new: int, context_before: int) -> None:
+        cost = self.limit.cost
+        if num_new == 1:
+            self.spent_ms += cost.decode_ms(context_before + 1)
+        else:
+            self.spent_ms += cost.chunk_ms(num_new, context_before)
 
 
 @dataclass(slots=True)
@@ -105,15 +137,17 @@ class Scheduler:
         step = self.policies.budget.budget(self.running, self.waiting, limits)
         budget = max(1, min(step.max_num_tokens, limits.max_num_batched_tokens))
         max_seqs = max(1, min(step.max_num_seqs, limits.max_num_seqs))
+        limit = step.time_limit
+        clock = _StepClock(limit, limit.cost.fixed_ms) if limit is not None else None
         admitting = True
         for view in self.policies.ordering.order([*self.running, *self.waiting], self.clock()):
             request = self.requests[view.request_id]
             if budget <= 0 or len(out.num_scheduled_tokens) >= max_seqs:
                 break
             if request.status is RequestStatus.RUNNING:
-                budget -= self._schedule_running(request, budget, out)
+                budget -= self._schedule_running(request, budget, out, clock)
             elif admitting and not out.preempted and request.status is not RequestStatus.FINISHED:
-                num_new = self._admit(request, budget, out)
+                num_new = self._admit(request, budget, out, clock)
                 if num_new is None:
                     # Blocks ran out: nobody later in the order is admitted either, but running
                     # requests still get their tokens (they are what frees blocks).
@@ -130,10 +164,16 @@ class Scheduler:
         out.scheduled = sorted(scheduled, key=layout)
         return out
 
-    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+    def _schedule_running(
+        self, request: Request, budget: int, out: SchedulerOutput, clock: _StepClock | None
+    ) -> int:
         """Give a running request its next tokens, preempting until its blocks fit; the tokens used
         (net of budget given back by victims that were already scheduled this step)."""
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if clock is not None:
+            num_new = clock.allowed(num_new, request.num_computed_tokens, not out.num_scheduled_tokens)
+            if num_new == 0:
+                return 0  # sits this step out, keeping its KV
         returned = 0
         while not self.kv_cache.allocate_slots(request, num_new):
             candidates = [r for r in self.running if r.status is RequestStatus.RUNNING]
@@ -143,19 +183,29 @@ class Scheduler:
             returned += out.num_scheduled_tokens.pop(victim.request_id, 0)
             if victim is request:
                 return -returned
+        if clock is not None:
+            clock.charge(num_new, request.num_computed_tokens)
         out.num_scheduled_tokens[request.request_id] = num_new
         return num_new - returned
 
-    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
+    def _admit(
+        self, request: Request, budget: int, out: SchedulerOutput, clock: _StepClock | None
+    ) -> int | None:
         """Admit a waiting request with its prefix hits; the tokens scheduled, 0 if it must wait for a
-        sequence slot, None if the blocks ran out."""
+        sequence slot or for time in a later step, None if the blocks ran out."""
         if len(self.running) >= self.config.max_num_seqs:
             return 0
         hits = self.kv_cache.get_computed_blocks(request)
-        num_new = request.num_tokens - request.num_computed_tokens - len(hits) * self.kv_cache.block_size
-        num_new = min(num_new, budget)
+        num_before = request.num_computed_tokens + len(hits) * self.kv_cache.block_size
+        num_new = min(request.num_tokens - num_before, budget)
+        if clock is not None:
+            num_new = clock.allowed(num_new, num_before, not out.num_scheduled_tokens)
+            if num_new == 0:
+                return 0
         if not self.kv_cache.allocate_slots(request, num_new, hits):
             return None
+        if clock is not None:
+            clock.charge(num_new, num_before)
         if request.status is RequestStatus.WAITING:
             request.num_cached_tokens = len(hits) * self.kv_cache.block_size
         request.status = RequestStatus.RUNNING
@@ -189,8 +239,9 @@ class Scheduler:
     def report_step(self, out: SchedulerOutput, elapsed_ms: float) -> None:
         """Tell the budget policy what a finished step cost."""
         num_context = sum(r.num_computed_tokens for r in out.scheduled)
+        num_decodes = sum(n == 1 for n in out.num_scheduled_tokens.values())
         self.policies.budget.observe(
-            StepReport(out.total_num_tokens, len(out.scheduled), num_context, elapsed_ms)
+            StepReport(out.total_num_tokens, len(out.scheduled), num_context, elapsed_ms, num_decodes)
         )
 
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:

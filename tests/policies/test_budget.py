@@ -9,11 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from policies.base import NoParams, StepLimits, StepReport
-from policies.budget import SloBudget, SloBudgetParams, Static, StepTimeModel
+from policies.budget import SloBudget, SloBudgetParams, Static
 from policies.ordering import Fcfs, Tiered
 from policies.preemption import LowestTier, Newest
+from policies.step_time import StepCost, StepTimeModel
 from tests.policies.views import View, views
-from tierserve.testing import CostModel, SimConfig, poisson_workload, simulate
+from tierserve.testing import CostModel, SimConfig, SimRequest, poisson_workload, simulate
 from wire.tier import DEFAULT_TIERS
 
 INTERACTIVE, _, BATCH = DEFAULT_TIERS
@@ -39,75 +40,58 @@ def test_static_is_the_limits(running: list[View], waiting: list[View], limits: 
     )
 
 
-@given(
-    views(),
-    views(),
-    st.integers(1, 8192),
-    st.integers(1, 256),
-    st.integers(1, 64),
-    st.floats(0.05, 1.0),
-    reports_st,
-)
-def test_slo_budget_stays_within_the_limits_and_min_tokens(
+@given(views(), views(), limits_st, st.floats(0.05, 1.0), st.floats(1.0, 4.0), reports_st)
+def test_slo_budget_keeps_the_limits_and_sets_a_time_limit_only_under_a_target(
     running: list[View],
     waiting: list[View],
-    max_tokens: int,
-    max_seqs: int,
-    min_tokens: int,
+    limits: StepLimits,
     safety: float,
+    factor: float,
     reports: list[StepReport],
 ) -> None:
-    max_tokens = max(max_tokens, min_tokens)  # see the xfail below for min_tokens above the limit
-    policy = SloBudget(SloBudgetParams(safety=safety, min_tokens=min_tokens))
+    policy = SloBudget(SloBudgetParams(safety=safety, min_step_factor=factor))
     for report in reports:  # whatever it has learnt
         policy.observe(report)
-    budget = policy.budget(running, waiting, StepLimits(max_tokens, max_seqs))
-    assert min_tokens <= budget.max_num_tokens <= max_tokens
-    assert 1 <= budget.max_num_seqs <= max_seqs
-
-
-def test_slo_budget_never_exceeds_a_limit_below_min_tokens() -> None:
-    policy = SloBudget(SloBudgetParams(min_tokens=8))
-    running = [View("r", tpot_ms=1.0, num_prompt_tokens=10_000)]
-    assert policy.budget(running, [], StepLimits(4, 4)).max_num_tokens <= 4
-
-
-@given(views(), views(), limits_st)
-def test_slo_budget_is_the_ceiling_without_a_tpot_target(
-    running: list[View], waiting: list[View], limits: StepLimits
-) -> None:
-    untargeted = [View(r.request_id, num_prompt_tokens=r.num_prompt_tokens) for r in (*running, *waiting)]
-    budget = SloBudget(SloBudgetParams()).budget(
-        untargeted[: len(running)], untargeted[len(running) :], limits
-    )
+    budget = policy.budget(running, waiting, limits)
     assert (budget.max_num_tokens, budget.max_num_seqs) == (
         limits.max_num_batched_tokens,
         limits.max_num_seqs,
     )
+    targets = [r.tpot_ms for r in (*running, *waiting) if r.tpot_ms is not None]
+    if not targets:
+        assert budget.time_limit is None
+        return
+    assert budget.time_limit is not None
+    floor = budget.time_limit.cost.floor_ms
+    assert budget.time_limit.max_ms == pytest.approx(max(safety * min(targets), factor * floor))
+    assert budget.time_limit.max_ms >= factor * floor  # never cut below what a step needs
 
 
-def test_slo_budget_follows_its_model_and_shrinks_as_context_grows() -> None:
-    params = SloBudgetParams(
-        safety=0.8, min_tokens=4, fixed_ms=10.0, per_token_ms=0.5, per_context_token_ms=0.001
-    )
+def test_slo_budget_aims_at_the_strictest_target_and_never_below_twice_the_floor() -> None:
+    params = SloBudgetParams(safety=0.8, fixed_ms=10.0, per_decode_ms=1.0)
     policy = SloBudget(params)
     limits = StepLimits(4096, 64)
-    budgets = []
-    for context in (0, 10_000, 30_000, 60_000, 100_000):
-        running = [View(f"r{i}", tpot_ms=100.0, num_prompt_tokens=context // 10 or 1) for i in range(10)]
-        budgets.append(policy.budget(running, [], limits).max_num_tokens)
-    # 0.8 · 100 ms = 10 + 0.5·n + 0.001·C  →  n = (70 − 0.001·C) / 0.5
-    assert budgets[0] == 139  # C = 10 (ten one-token prompts): (70 - 0.01) / 0.5 = 139.98
-    assert budgets[1] == int((70 - 10.0) / 0.5)
-    assert budgets == sorted(budgets, reverse=True) and budgets[-1] == params.min_tokens
-    # The strictest target counts, waiting requests included.
-    stricter = [View("w", tpot_ms=50.0)]
-    assert policy.budget([View("r", tpot_ms=100.0)], stricter, limits).max_num_tokens == int(
-        (40 - 10 - 0.016) / 0.5
-    )
+    running = [View("r", tpot_ms=100.0)]
+    limit = policy.budget(running, [View("w", tpot_ms=50.0)], limits).time_limit
+    assert limit is not None and limit.max_ms == pytest.approx(40.0)  # waiting requests count
+    assert limit.cost == StepCost(10.0, 1.0, params.per_prefill_token_ms, params.per_context_token_ms)
+    # A target this machine cannot meet even alone: steps of twice the one-decode step (22 ms).
+    limit = policy.budget([View("r", tpot_ms=5.0)], [], limits).time_limit
+    assert limit is not None and limit.max_ms == pytest.approx(2 * 11.0)
 
 
-TRUE_COST = CostModel(fixed_ms=4.0, per_token_ms=0.3, per_context_token_ms=0.002)
+def test_step_cost_arithmetic() -> None:
+    cost = StepCost(fixed_ms=4.0, per_decode_ms=1.0, per_prefill_token_ms=0.25, per_context_token_ms=0.01)
+    assert cost.floor_ms == 5.0
+    assert cost.predict(2, 100, 1000) == pytest.approx(4 + 2 + 25 + 10)
+    assert cost.decode_ms(100) == pytest.approx(2.0)
+    assert cost.chunk_ms(40, 60) == pytest.approx(10 + 1.0)
+    # 0.25·n + 0.01·(60 + n) <= 11  →  n <= 40
+    assert cost.chunk_tokens_within(11.0, 60) == 40
+    assert cost.chunk_tokens_within(0.5, 60) == 0
+
+
+TRUE_COST = StepCost(fixed_ms=4.0, per_decode_ms=0.6, per_prefill_token_ms=0.3, per_context_token_ms=0.002)
 
 
 def fit(model: StepTimeModel, num_reports: int, *, seed: int, steady: bool = False) -> None:
@@ -115,51 +99,88 @@ def fit(model: StepTimeModel, num_reports: int, *, seed: int, steady: bool = Fal
     rng = random.Random(seed)
     for _ in range(num_reports):
         if steady:
-            tokens, context = 64, 32_000 + rng.randint(-64, 64)
+            decodes, prefill, context = 64, 0, 32_000 + rng.randint(-64, 64)
         else:
-            tokens, context = rng.randint(1, 1024), rng.randint(0, 50_000)
-        model.update(tokens, context, TRUE_COST.mean_step_ms(tokens, context) * (1 + rng.gauss(0, 0.03)))
+            # as a worker sees them: mostly decode steps, some with a prefill chunk
+            decodes, context = rng.randint(1, 64), rng.randint(0, 20_000)
+            prefill = rng.randint(16, 1024) if rng.random() < 0.3 else 0
+        elapsed = TRUE_COST.predict(decodes, prefill, context) * (1 + rng.gauss(0, 0.03))
+        model.update(decodes, prefill, context, elapsed)
 
 
-def assert_close_to_true_cost(model: StepTimeModel) -> None:
-    a, b, c = model.theta
-    assert a == pytest.approx(4.0, abs=2.0)
-    assert b == pytest.approx(0.3, rel=0.05)
-    assert c == pytest.approx(0.002, rel=0.05)
-    for tokens, context in ((1, 1000), (64, 20_000), (1024, 50_000)):
+def test_step_time_model_converges_to_the_cost_by_composition() -> None:
+    model = StepTimeModel(StepCost(10.0, 0.5, 0.5, 0.0005), forget=0.98)
+    fit(model, 800, seed=3)
+    cost = model.cost
+    assert cost.fixed_ms == pytest.approx(4.0, abs=2.0)
+    assert cost.per_decode_ms == pytest.approx(0.6, rel=0.1)
+    assert cost.per_prefill_token_ms == pytest.approx(0.3, rel=0.05)
+    assert cost.per_context_token_ms == pytest.approx(0.002, rel=0.1)
+    for step in ((1, 0, 1000), (32, 0, 20_000), (8, 512, 30_000)):
         # 10%, or 1.5 ms for the tiniest step: with 3% noise and a ~50-step memory the intercept
         # wanders by about a millisecond.
-        assert model.predict(tokens, context) == pytest.approx(
-            TRUE_COST.mean_step_ms(tokens, context), rel=0.1, abs=1.5
-        )
-
-
-def test_step_time_model_converges_to_a_linear_cost_from_noisy_reports() -> None:
-    model = StepTimeModel(prior=(10.0, 0.5, 0.0005), forget=0.98)
-    fit(model, 500, seed=3)
-    assert_close_to_true_cost(model)
-
-
-def test_step_time_model_stays_converged_over_thousands_of_reports() -> None:
-    model = StepTimeModel(prior=(10.0, 0.5, 0.0005), forget=0.98)
-    fit(model, 3000, seed=3)
-    assert_close_to_true_cost(model)
+        assert model.predict(*step) == pytest.approx(TRUE_COST.predict(*step), rel=0.1, abs=1.5)
 
 
 def test_step_time_model_stays_accurate_under_a_steady_decode_load() -> None:
-    model = StepTimeModel(prior=(10.0, 0.5, 0.0005), forget=0.98)
+    model = StepTimeModel(StepCost(10.0, 0.5, 0.5, 0.0005), forget=0.98)
     fit(model, 2000, seed=3, steady=True)
-    assert model.predict(64, 32_000) == pytest.approx(TRUE_COST.mean_step_ms(64, 32_000), rel=0.1)
+    assert model.predict(64, 0, 32_000) == pytest.approx(TRUE_COST.predict(64, 0, 32_000), rel=0.1)
+    fit(model, 5000, seed=4)  # and it still learns the rest afterwards (no wound-up covariance)
+    assert model.predict(8, 512, 30_000) == pytest.approx(TRUE_COST.predict(8, 512, 30_000), rel=0.1)
 
 
 def test_slo_budget_learns_the_cost_in_the_harness() -> None:
-    cost = CostModel(fixed_ms=4.0, per_token_ms=0.3, per_context_token_ms=0.002, noise=0.03, seed=1)
-    policy = SloBudget(SloBudgetParams())  # priors 10 / 0.5 / 0.0005: wrong on purpose
+    cost = CostModel(
+        fixed_ms=4.0, per_token_ms=0.3, per_decode_ms=0.6, per_context_token_ms=0.002, noise=0.03, seed=1
+    )
+    policy = SloBudget(SloBudgetParams())  # priors 10 / 0.5 / 0.5 / 0.0005: wrong on purpose
     requests = poisson_workload(seed=2, rate_per_s=10, duration_s=8, mix=[(INTERACTIVE, 1.0)])
     result = simulate(requests, budget=policy, config=SimConfig(cost=cost))
     assert 200 < len(result.steps) < 1500
-    _a, b, c = policy.model.theta
-    assert b == pytest.approx(0.3, rel=0.15) and c == pytest.approx(0.002, rel=0.25)
+    learnt = policy.model.cost
+    assert learnt.per_decode_ms == pytest.approx(0.6, rel=0.2)
+    assert learnt.per_prefill_token_ms == pytest.approx(0.3, rel=0.2)
+
+
+def test_a_step_under_the_time_limit_carries_the_urgent_decodes_and_what_fits_beside_them() -> None:
+    # 8 interactive streams and 40 batch streams, all decoding; each decode costs 2 ms, fixed 10 ms:
+    # 80 ms (0.8 · 100) holds 35 decodes: the 8 interactive ones and 27 batch ones.
+    cost = CostModel(fixed_ms=10.0, per_token_ms=0.5, per_decode_ms=2.0, per_context_token_ms=0.0)
+    requests = [SimRequest(f"i{i}", 0.0, INTERACTIVE, 16, 200) for i in range(8)]
+    requests += [SimRequest(f"b{i}", 0.0, BATCH, 16, 200) for i in range(40)]
+    policy = SloBudget(SloBudgetParams(fixed_ms=10.0, per_decode_ms=2.0, per_prefill_token_ms=0.5))
+    result = simulate(requests, ordering=Tiered(NoParams()), budget=policy, config=SimConfig(cost=cost))
+    while_interactive = [s for s in result.steps if any(f"i{i}" in s.num_scheduled_tokens for i in range(8))]
+    decoding = [s for s in while_interactive if set(s.num_scheduled_tokens.values()) == {1}]
+    assert len(decoding) > 100
+    for step in while_interactive[1:]:
+        assert all(f"i{i}" in step.num_scheduled_tokens for i in range(8))  # urgent first, always
+        assert step.elapsed_ms <= 80.0 + 1e-6
+    for step in decoding:
+        # filled with batch decodes, not shrunk (35 fit exactly; the fitted model is a little off)
+        assert len(step.num_scheduled_tokens) >= 30
+    assert result.tiers["interactive"].tpot_p99_ms is not None
+    assert result.tiers["interactive"].tpot_p99_ms <= 100.0
+    assert result.tiers["batch"].num_finished == 40  # batch decodes sat out steps, none was lost
+
+
+def test_an_infeasible_target_gets_the_shortest_steps_without_starving_the_rest() -> None:
+    # One decode step costs 61 ms: 0.8 · 100 < 2 · 61, so the 100 ms TPOT cannot hold beside much else.
+    cost = CostModel(fixed_ms=60.0, per_token_ms=0.5, per_decode_ms=1.0, per_context_token_ms=0.0)
+    requests = [SimRequest("i", 0.0, INTERACTIVE, 16, 100)]
+    requests += [SimRequest(f"b{i}", 0.0, BATCH, 16, 100) for i in range(30)]
+    budgets = {
+        "static": Static(NoParams()),
+        "slo": SloBudget(SloBudgetParams(fixed_ms=60.0, per_decode_ms=1.0)),
+    }
+    results = {
+        name: simulate(requests, ordering=Tiered(NoParams()), budget=b, config=SimConfig(cost=cost))
+        for name, b in budgets.items()
+    }
+    # 2 · 61 = 122 ms steps hold all 31 decodes (60 + 31 = 91 ms): nothing is held back for nothing.
+    assert results["slo"].throughput_tok_s >= 0.95 * results["static"].throughput_tok_s
+    assert all(r.finished for r in results["slo"].requests.values())
 
 
 def test_under_overload_tiered_with_slo_budget_keeps_interactive_tpot_and_fcfs_static_does_not() -> None:

@@ -62,9 +62,9 @@ def test_every_builtin_is_registered_and_loads_by_name(kind: str, name: str) -> 
 
 
 def test_params_are_typed_and_lax_about_toml_string_keys() -> None:
-    budget = load_policy("budget", "slo-budget", {"safety": 0.5, "min_tokens": "4"})
+    budget = load_policy("budget", "slo-budget", {"safety": 0.5, "min_step_factor": "4"})
     assert isinstance(budget, SloBudget)
-    assert (budget.params.safety, budget.params.min_tokens) == (0.5, 4)
+    assert (budget.params.safety, budget.params.min_step_factor) == (0.5, 4.0)
     eviction = load_policy("eviction", "priority-weighted", {"weights": {"0": 8, "3": 0.5}})
     assert isinstance(eviction, PriorityWeighted) and eviction.weights == {0: 8.0, 3: 0.5}
 
@@ -91,7 +91,7 @@ def test_an_entry_point_declaring_another_kind_is_refused() -> None:
     ("kind", "name", "params", "message"),
     [
         ("budget", "slo-budget", {"safety": 2.0}, r"Expected `float` <= 1.0 - at `\$\.safety`"),
-        ("budget", "slo-budget", {"min_tokens": 0}, r"min_tokens"),
+        ("budget", "slo-budget", {"min_step_factor": 0.5}, r"min_step_factor"),
         ("budget", "slo-budget", {"saftey": 0.5}, r"unknown field `saftey`"),
         ("ordering", "fcfs", {"anything": 1}, r"unknown field `anything`"),
         ("eviction", "priority-weighted", {"weights": {"0": -1}}, r"weights"),

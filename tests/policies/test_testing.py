@@ -86,6 +86,7 @@ def test_max_num_seqs_and_the_budget_bound_each_step() -> None:
         len(last.num_scheduled_tokens),
         last.num_context_tokens,
         last.elapsed_ms,
+        sum(n == 1 for n in last.num_scheduled_tokens.values()),
     )
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from policies.budget import SloBudget, SloBudgetParams
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine
@@ -216,12 +215,12 @@ def test_tiered_policies_preempting_and_evicting_do_not_change_output(
     longest = max(len(i) for i in prompt_ids) + NEW_TOKENS
     num_blocks = -(-longest // 16) + 12
     policies = WorkerPolicies.tiered()
-    policies.budget = SloBudget(SloBudgetParams(min_tokens=16, per_token_ms=2.0))  # a budget that bites
     engine = Engine.from_config(
         EngineConfig(model=str(model_path), dtype="float32", num_kv_blocks=num_blocks), policies
     )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP)
-    tiers = [TierRef("interactive", 0, ttft_ms=1000.0, tpot_ms=100.0), TierRef("batch", 2)]
+    # A TPOT target below any step: the budget caps steps at twice the one-decode step, so it bites.
+    tiers = [TierRef("interactive", 0, ttft_ms=1000.0, tpot_ms=0.1), TierRef("batch", 2)]
     ids = [engine.add_request(p, params, tier=tiers[i % 2]) for i, p in enumerate(prompt_ids)]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     top: dict[str, list[list[int]]] = {i: [] for i in ids}

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import random
 
+from policies.base import StepBudget, StepLimits, StepReport
+from policies.step_time import StepCost, StepTimeLimit
 from wire.sampling import SamplingParams
 from worker.kv_cache import KVCacheManager
+from worker.policy_set import WorkerPolicies
 from worker.request import FinishReason, Request, RequestStatus
 from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -149,3 +152,59 @@ def test_request_short_of_a_block_preempts_itself_when_it_is_the_newest() -> Non
     out = run_step(scheduler)
     assert [r.request_id for r in out.preempted] == ["new"]
     assert out.num_scheduled_tokens == {"old": 1}
+
+
+class FixedLimit:
+    """A budget that caps every step at ``max_ms`` of a known cost (policies.step_time)."""
+
+    kind = "budget"
+
+    def __init__(self, cost: StepCost, max_ms: float) -> None:
+        self.limit = StepTimeLimit(cost, max_ms)
+
+    def budget(self, running: object, waiting: object, limits: StepLimits) -> StepBudget:
+        return StepBudget(limits.max_num_batched_tokens, limits.max_num_seqs, self.limit)
+
+    def observe(self, report: StepReport) -> None:
+        pass
+
+
+def limited_scheduler(max_ms: float, budget: int = 256) -> Scheduler:
+    # fixed 10 ms, a decode 2 ms, a prefill token 0.5 ms, no context term
+    policies = WorkerPolicies.baseline()
+    policies.budget = FixedLimit(StepCost(10.0, 2.0, 0.5, 0.0), max_ms)
+    return Scheduler(SchedulerConfig(budget, 16), KVCacheManager(256, 4), policies)
+
+
+def test_under_a_time_limit_decodes_sit_out_and_keep_their_kv() -> None:
+    scheduler = limited_scheduler(max_ms=100.0)
+    for i in range(6):
+        scheduler.add(make_request(f"r{i}", 4, max_tokens=8, arrival=i))
+    run_step(scheduler)  # their prefills
+    assert len(scheduler.running) == 6
+    budget = scheduler.policies.budget
+    assert isinstance(budget, FixedLimit)
+    budget.limit = StepTimeLimit(budget.limit.cost, 18.0)  # 10 fixed + four 2 ms decodes
+    out = run_step(scheduler)
+    assert sorted(out.num_scheduled_tokens) == ["r0", "r1", "r2", "r3"]  # fcfs: the first four fit
+    sat_out = [scheduler.requests[f"r{i}"] for i in (4, 5)]
+    assert all(r.status is RequestStatus.RUNNING and r.blocks for r in sat_out)  # KV kept
+    for _ in range(100):
+        if not scheduler.num_unfinished:
+            break
+        out = run_step(scheduler)
+        assert len(out.num_scheduled_tokens) <= 4
+    assert not scheduler.requests
+
+
+def test_under_a_time_limit_a_prefill_chunk_is_shortened_to_fit() -> None:
+    scheduler = limited_scheduler(max_ms=30.0)
+    scheduler.add(make_request("decoding", 4, max_tokens=20, arrival=0))
+    run_step(scheduler)
+    scheduler.add(make_request("long", 200, arrival=1))
+    out = run_step(scheduler)
+    # 10 fixed + 2 for the decode leaves 18 ms: 36 prefill tokens.
+    assert out.num_scheduled_tokens == {"decoding": 1, "long": 36}
+    scheduler = limited_scheduler(max_ms=5.0)  # below even the first request: it runs anyway
+    scheduler.add(make_request("alone", 200))
+    assert run_step(scheduler).num_scheduled_tokens == {"alone": 200}
