@@ -5,6 +5,7 @@ JSON object; ``--record`` also writes it into the scenario's block in docs/bench
     tierserve bench gateway-overhead --json [--mock N]   the whole stack vs the engine in-process
     tierserve bench load-smoke --json [--record]         tierserve load against serve --mock 2
     tierserve bench tiers --json [--record]              fcfs vs the tiered set at 2x saturation
+    tierserve bench fairness --json [--record]           light tenant's TTFT, alone vs flooded via gateway A
     tierserve bench failover --json [--record]           kill -9 one of 4 mock workers mid-run
     tierserve bench tracing-overhead --json [--record]   tracing off vs on (100% sampled, OTLP)
     tierserve bench routing --json [--record]            prefix-load vs round-robin, 4 mock workers
@@ -56,6 +57,12 @@ def _tiers(argv: list[str]) -> dict[str, object]:
     return tiers_bench.run(tiers_bench.parse_args(argv))
 
 
+def _fairness(argv: list[str]) -> dict[str, object]:
+    from loadtest import fairness_bench
+
+    return fairness_bench.run(fairness_bench.parse_args(argv))
+
+
 def _load_smoke(argv: list[str]) -> dict[str, object]:
     from loadtest import load_smoke
 
@@ -99,6 +106,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("gateway-overhead", "the whole stack vs the engine in-process", _gateway_overhead),
         Scenario("load-smoke", "tierserve load against serve --mock: per-tier figures", _load_smoke),
         Scenario("tiers", "fcfs vs the tiered policy set at 2x saturation, one run", _tiers),
+        Scenario(
+            "fairness", "a light tenant's TTFT p99, alone and while another floods gateway A", _fairness
+        ),
         Scenario("failover", "serve --mock 4, streams in flight, kill -9 one worker", _failover),
         Scenario("tracing-overhead", "mock load, tracing off vs on (100%, OTLP)", _tracing),
         Scenario("routing", "prefix-load vs round-robin routing on shared system prompts", _routing),

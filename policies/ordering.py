@@ -1,12 +1,15 @@
-"""Built-in orderings: ``fcfs`` (the baseline) and ``tiered``."""
+"""Built-in orderings: ``fcfs`` (the baseline) and ``tiered`` (tiers, then fairness between tenants)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Annotated, ClassVar
+
+import msgspec
 
 from policies.base import NoParams, SeqView
+from policies.tenant_service import TenantService
 
 
 class Fcfs:
@@ -22,21 +25,46 @@ class Fcfs:
         return sorted(requests, key=lambda r: r.arrival_time)
 
 
-class Tiered:
-    """Most urgent tier first (lowest rank); within a tier the earliest TTFT deadline, then arrival.
+class TieredParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The tenant counters' weights (both 0: no fairness, every counter stays 0) and how long an idle
+    tenant's counter is kept."""
 
-    Invariant beyond the Protocol's: a request never comes after one of a less urgent tier.
+    input_weight: Annotated[float, msgspec.Meta(ge=0)] = 1.0  # per prompt token computed
+    output_weight: Annotated[float, msgspec.Meta(ge=0)] = 2.0  # per token generated (VTC's default)
+    forget_after_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+
+
+class Tiered:
+    """Most urgent tier first (lowest rank), then lowest ``priority``; within those the tenant with
+    the least service first (``policies.tenant_service``), then the earliest TTFT deadline (None
+    last), then arrival.
+
+    Invariants beyond the Protocol's: a request never comes after one of a less urgent tier, nor
+    after one of its tier with a larger ``priority``. With one tenant the order is (tier, priority, deadline,
+    arrival) exactly. Each request placed charges its tenant, for this call only, what it would cost
+    this step, so one tenant's fifty requests interleave with another's one rather than all going first.
     """
 
     kind: ClassVar[str] = "ordering"
-    Params = NoParams
+    Params = TieredParams
 
-    def __init__(self, params: NoParams) -> None:
-        pass
+    def __init__(self, params: TieredParams) -> None:
+        self.params = params
+        self.service = TenantService(params.input_weight, params.output_weight, params.forget_after_s)
 
     def order(self, requests: Sequence[SeqView], now: float) -> list[SeqView]:
-        def key(r: SeqView) -> tuple[int, float, float]:
-            deadline = r.ttft_deadline
-            return (r.tier_rank, math.inf if deadline is None else deadline, r.arrival_time)
+        self.service.observe(requests, now)
+        base = sorted(requests, key=_urgency)
+        if self.service.num_active_tenants <= 1:
+            return base  # one tenant's tags rise along ``base``: sorting by them changes nothing
+        tags = self.service.tags(base)
+        # Ties on the tag go by position in ``base``: deadline, arrival, then input order.
+        keys = sorted(
+            zip((r.tier_rank for r in base), (r.priority for r in base), tags, range(len(base)), strict=True)
+        )
+        return [base[k[3]] for k in keys]
 
-        return sorted(requests, key=key)
+
+def _urgency(r: SeqView) -> tuple[int, int, float, float]:
+    deadline = r.ttft_deadline
+    return (r.tier_rank, r.priority, math.inf if deadline is None else deadline, r.arrival_time)

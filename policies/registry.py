@@ -1,7 +1,7 @@
 """Policy names → instances, through one path for built-ins and plugins alike: Python entry points.
 
     [project.entry-points."tierserve.policies"]          (in any installed package's pyproject.toml)
-    "ordering.tenant-fair" = "my_package.fair:TenantFairOrdering"
+    "ordering.short-first" = "my_package.short:ShortFirst"
 
 The entry point's name is ``<kind>.<name>``; the config selects ``policies.<kind> = "<name>"`` with
 optional ``params``. tierserve's own built-ins are registered the same way (in its pyproject.toml).

@@ -18,7 +18,7 @@ from typing import Any
 from policies.base import BudgetPolicy, EvictionPolicy, NoParams, OrderingPolicy, PreemptionPolicy
 from policies.budget import SloBudget, SloBudgetParams, Static
 from policies.eviction import Lru, PriorityWeighted, PriorityWeightedParams
-from policies.ordering import Fcfs, Tiered
+from policies.ordering import Fcfs, Tiered, TieredParams
 from policies.preemption import LowestTier, Newest
 from policies.registry import load_policy
 
@@ -41,7 +41,7 @@ class WorkerPolicies:
     def tiered(cls) -> WorkerPolicies:
         """The tier-aware set with default parameters."""
         return cls(
-            Tiered(NoParams()),
+            Tiered(TieredParams()),
             SloBudget(SloBudgetParams()),
             LowestTier(NoParams()),
             PriorityWeighted(PriorityWeightedParams()),

@@ -1,4 +1,4 @@
-"""Lets this example's tests import ``tierserve_tenant_fair`` from the source tree, uninstalled."""
+"""Lets this example's tests import ``tierserve_short_first`` from the source tree, uninstalled."""
 
 import sys
 from pathlib import Path

@@ -2,8 +2,8 @@
 real ``tierserve serve`` does; and a broken selection stopping startup with its name.
 
 The behaviour: one mock worker running one sequence at a time (8 admitted, the rest queue in the
-worker), tenant "heavy" queues four requests, then tenant "light" one. First come first served makes
-"light" wait for all of "heavy"'s; the plugin's tenant-fair ordering serves it next.
+worker), four requests with long prompts queue, then one with a short prompt. First come first served
+makes the short one wait for all the long ones; the plugin's short-first ordering serves it next.
 """
 
 from __future__ import annotations
@@ -31,17 +31,10 @@ max_in_flight_factor = 8.0
 [[models.pools]]
 name = "mock"
 max_num_seqs = 1
-
-[[tenants]]
-name = "heavy"
-api_keys = ["heavy-key"]
-
-[[tenants]]
-name = "light"
-api_keys = ["light-key"]
 """
-FAIR = '\n[policies]\nordering = "tenant-fair"\nallow_plugins = ["ordering.tenant-fair"]\n'
+SHORT_FIRST = '\n[policies]\nordering = "short-first"\nallow_plugins = ["ordering.short-first"]\n'
 TOKENS = 100  # 0.5 s of mock steps each
+LONG_PROMPT = "a document to summarise. " * 40  # 1,000 tokens of the mock's byte tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -62,47 +55,47 @@ def finish_order(server: Server) -> list[str]:
         done: list[str] = []
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
 
-            async def one(name: str, key: str) -> None:
+            async def one(name: str, prompt: str) -> None:
                 body = {
                     "model": "mock",
-                    "messages": [{"role": "user", "content": name}],
+                    "messages": [{"role": "user", "content": f"{name}: {prompt}"}],
                     "max_tokens": TOKENS,
                 }
-                response = await client.post(
-                    "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
-                )
+                response = await client.post("/v1/chat/completions", json=body)
                 assert response.status_code == 200, response.text
                 done.append(name)
 
-            heavy = [asyncio.create_task(one(f"heavy-{i}", "heavy-key")) for i in range(4)]
-            # All four are on the worker (one running, three waiting) before "light" arrives.
+            long = [asyncio.create_task(one(f"long-{i}", LONG_PROMPT)) for i in range(4)]
+            # All four are on the worker (one running, three waiting) before the short one arrives.
             while metric((await client.get("/metrics")).text, "tierserve_admission_seats_in_use") < 4:
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.6)  # a heartbeat later the worker has certainly queued them
-            await asyncio.gather(one("light", "light-key"), *heavy)
+            await asyncio.gather(one("short", "hello"), *long)
         return done
 
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("fair", [False, True], ids=["fcfs", "tenant-fair"])
-def test_the_plugin_is_loaded_and_changes_the_order(plugin_path: Path, tmp_path: Path, fair: bool) -> None:
+@pytest.mark.parametrize("short_first", [False, True], ids=["fcfs", "short-first"])
+def test_the_plugin_is_loaded_and_changes_the_order(
+    plugin_path: Path, tmp_path: Path, short_first: bool
+) -> None:
     config = tmp_path / "tierserve.toml"
-    config.write_text(BASE_CONFIG + (FAIR if fair else ""))
+    config.write_text(BASE_CONFIG + (SHORT_FIRST if short_first else ""))
     with running_server(["--mock", "1", "--config", str(config)], tmp_path / "serve.log", 60) as server:
         order = finish_order(server)
-    position = order.index("light")
-    if fair:
+    position = order.index("short")
+    if short_first:
         assert position <= 2, order  # right after the request that was running (give or take a step)
     else:
-        assert position == 4, order  # behind all of heavy's
+        assert position == 4, order  # behind all the long ones
 
 
 @pytest.mark.parametrize(
     ("policies", "message"),
     [
         ('ordering = "no-such"', "policies.ordering: no ordering policy named 'no-such'"),
-        ('ordering = "tenant-fair"', "list it in policies.allow_plugins"),
+        ('ordering = "short-first"', "list it in policies.allow_plugins"),
         ('budget = { name = "slo-budget", params = { safty = 0.5 } }', "policies.budget.params"),
     ],
     ids=["unknown", "not-allowed", "bad-params"],

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from policies.base import NoParams, StepLimits, StepReport
 from policies.budget import SloBudget, SloBudgetParams, Static
-from policies.ordering import Fcfs, Tiered
+from policies.ordering import Fcfs, Tiered, TieredParams
 from policies.preemption import LowestTier, Newest
 from policies.step_time import StepCost, StepTimeModel
 from tests.policies.views import View, views
@@ -150,7 +150,7 @@ def test_a_step_under_the_time_limit_carries_the_urgent_decodes_and_what_fits_be
     requests = [SimRequest(f"i{i}", 0.0, INTERACTIVE, 16, 200) for i in range(8)]
     requests += [SimRequest(f"b{i}", 0.0, BATCH, 16, 200) for i in range(40)]
     policy = SloBudget(SloBudgetParams(fixed_ms=10.0, per_decode_ms=2.0, per_prefill_token_ms=0.5))
-    result = simulate(requests, ordering=Tiered(NoParams()), budget=policy, config=SimConfig(cost=cost))
+    result = simulate(requests, ordering=Tiered(TieredParams()), budget=policy, config=SimConfig(cost=cost))
     while_interactive = [s for s in result.steps if any(f"i{i}" in s.num_scheduled_tokens for i in range(8))]
     decoding = [s for s in while_interactive if set(s.num_scheduled_tokens.values()) == {1}]
     assert len(decoding) > 100
@@ -175,7 +175,7 @@ def test_an_infeasible_target_gets_the_shortest_steps_without_starving_the_rest(
         "slo": SloBudget(SloBudgetParams(fixed_ms=60.0, per_decode_ms=1.0)),
     }
     results = {
-        name: simulate(requests, ordering=Tiered(NoParams()), budget=b, config=SimConfig(cost=cost))
+        name: simulate(requests, ordering=Tiered(TieredParams()), budget=b, config=SimConfig(cost=cost))
         for name, b in budgets.items()
     }
     # 2 · 61 = 122 ms steps hold all 31 decodes (60 + 31 = 91 ms): nothing is held back for nothing.
@@ -196,7 +196,7 @@ def test_under_overload_tiered_with_slo_budget_keeps_interactive_tpot_and_fcfs_s
     )
     tiered = simulate(
         requests,
-        ordering=Tiered(NoParams()),
+        ordering=Tiered(TieredParams()),
         budget=SloBudget(SloBudgetParams()),
         preemption=LowestTier(NoParams()),
         config=config,

@@ -22,28 +22,27 @@ from tierserve.testing import SimConfig, SimRequest, simulate
 from wire.tier import DEFAULT_TIERS
 
 out = {}
-spec = available().get("ordering.tenant-fair")
+spec = available().get("ordering.short-first")
 out["distribution"] = spec and spec.distribution
 try:
-    load_policy("ordering", "tenant-fair")
+    load_policy("ordering", "short-first")
 except PolicyError as exc:
     out["refused"] = str(exc)
 try:
-    load_policy("ordering", "tenant-fair", {"output_weight": -1}, allow_plugins=["ordering.tenant-fair"])
+    load_policy("ordering", "short-first", {"max_wait_s": -1}, allow_plugins=["ordering.short-first"])
 except PolicyError as exc:
     out["bad_params"] = str(exc)
-allow = ["ordering.tenant-fair"]
-policy = load_policy("ordering", "tenant-fair", {"respect_tiers": "false"}, allow_plugins=allow)
+allow = ["ordering.short-first"]
+policy = load_policy("ordering", "short-first", {"max_wait_s": "30"}, allow_plugins=allow)
 out["class"] = f"{type(policy).__module__}.{type(policy).__qualname__}"
-out["respect_tiers"] = policy.params.respect_tiers
+out["max_wait_s"] = policy.params.max_wait_s
 standard = DEFAULT_TIERS[1]
-requests = [SimRequest(f"h{i}", i * 0.01, standard, 64, 8, tenant="heavy") for i in range(30)]
-requests.append(SimRequest("light", 0.05, standard, 64, 8, tenant="light"))
-for name, ordering in (("fair", policy), ("fcfs", load_policy("ordering", "fcfs"))):
-    done = simulate(requests, ordering=ordering, config=SimConfig(max_num_seqs=2)).requests
-    light = done["light"].finish_time
-    out[f"{name}_heavy_done_first"] = sum(r.finish_time < light for r in done.values() if r.tenant == "heavy")
-out["service"] = policy.service
+requests = [SimRequest(f"long{i}", i * 0.01, standard, 1024, 8) for i in range(20)]
+requests.append(SimRequest("short", 0.05, standard, 16, 8))
+for name, ordering in (("short_first", policy), ("fcfs", load_policy("ordering", "fcfs"))):
+    done = simulate(requests, ordering=ordering, config=SimConfig(max_num_seqs=1)).requests
+    short = done["short"].finish_time
+    out[f"{name}_long_done_first"] = sum(r.finish_time < short for i, r in done.items() if i != "short")
 print(json.dumps(out))
 """
 
@@ -92,21 +91,20 @@ def test_the_installed_plugin_is_found_refused_until_allowed_then_used(plugin_di
     out = json.loads(proc.stdout)
     assert out["distribution"] == "tierserve-policy-plugin"
     assert out["refused"] == (
-        "policies.ordering: 'ordering.tenant-fair' is a plugin from the package 'tierserve-policy-plugin'; "
+        "policies.ordering: 'ordering.short-first' is a plugin from the package 'tierserve-policy-plugin'; "
         "list it in policies.allow_plugins to load it"
     )
     assert out["bad_params"].startswith(
-        "policies.ordering.params: invalid parameters for 'ordering.tenant-fair'"
+        "policies.ordering.params: invalid parameters for 'ordering.short-first'"
     )
-    assert "output_weight" in out["bad_params"]
-    assert out["class"] == "tierserve_tenant_fair.ordering.TenantFair"
-    assert out["respect_tiers"] is False
-    # Two sequences at a time behind a queue of heavy requests: fair lets light in at once.
-    assert out["fair_heavy_done_first"] <= 2 < out["fcfs_heavy_done_first"]
-    assert set(out["service"]) == {"heavy", "light"}
+    assert "max_wait_s" in out["bad_params"]
+    assert out["class"] == "tierserve_short_first.ordering.ShortFirst"
+    assert out["max_wait_s"] == 30.0  # a TOML-ish string, converted
+    # One sequence at a time behind a queue of long prompts: short-first takes the short one next.
+    assert out["short_first_long_done_first"] <= 1 < out["fcfs_long_done_first"]
 
 
 def test_the_project_venv_does_not_have_the_plugin() -> None:
     from policies.registry import available
 
-    assert "ordering.tenant-fair" not in available()
+    assert "ordering.short-first" not in available()

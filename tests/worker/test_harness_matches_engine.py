@@ -16,7 +16,7 @@ import pytest
 from policies.base import NoParams
 from policies.budget import Static
 from policies.eviction import Lru
-from policies.ordering import Fcfs, Tiered
+from policies.ordering import Fcfs, Tiered, TieredParams
 from policies.preemption import LowestTier, Newest
 from tierserve.testing import SimConfig, SimRequest, simulate
 from wire.sampling import SamplingParams
@@ -52,7 +52,7 @@ def baseline() -> WorkerPolicies:
 
 
 def tiered() -> WorkerPolicies:
-    return WorkerPolicies(Tiered(NoParams()), Static(NoParams()), LowestTier(NoParams()), Lru(NoParams()))
+    return WorkerPolicies(Tiered(TieredParams()), Static(NoParams()), LowestTier(NoParams()), Lru(NoParams()))
 
 
 @pytest.mark.parametrize("make_policies", [baseline, tiered])
