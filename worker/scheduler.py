@@ -14,7 +14,9 @@ other requests keep decoding in the same step. Each step:
      all it has left); the step's first request always runs;
   3. when a running request needs a block and none is free, the preemption policy picks a victim
      among the running (possibly the request itself): its blocks are freed (full ones stay cached)
-     and it is recomputed later; once anyone was preempted, nobody else is admitted this step.
+     and it is recomputed later; once anyone was preempted, nobody else is admitted this step;
+  4. when every sequence slot is taken, a waiting request may take the slot of a running request
+     of a less urgent tier, the preemption policy choosing the victim (or that the request waits).
 
 Under ``fcfs`` running requests arrived before waiting ones (but for the preempted), so this is
 "running first"; under ``tiered`` a waiting interactive request goes before running batch decodes,
@@ -191,9 +193,16 @@ class Scheduler:
     def _admit(
         self, request: Request, budget: int, out: SchedulerOutput, clock: _StepClock | None
     ) -> int | None:
-        """Admit a waiting request with its prefix hits; the tokens scheduled, 0 if it must wait for a
-        sequence slot or for time in a later step, None if the blocks ran out."""
-        if len(self.running) >= self.config.max_num_seqs:
+        """Admit a waiting request with its prefix hits; the tokens scheduled (net of any a slot's
+        victim gives back), 0 if it must wait for a sequence slot or for time in a later step, None
+        if the blocks ran out.
+
+        With every sequence slot taken, a request may take the slot of a running request of a less
+        urgent tier: the preemption policy chooses among those and the request itself (choosing it
+        means it waits)."""
+        is_full = len(self.running) >= self.config.max_num_seqs
+        less_urgent = [r for r in self.running if r.tier_rank > request.tier_rank] if is_full else []
+        if is_full and not less_urgent:
             return 0
         hits = self.kv_cache.get_computed_blocks(request)
         num_before = request.num_computed_tokens + len(hits) * self.kv_cache.block_size
@@ -202,6 +211,15 @@ class Scheduler:
             num_new = clock.allowed(num_new, num_before, not out.num_scheduled_tokens)
             if num_new == 0:
                 return 0
+        returned = 0
+        if is_full:
+            victim = self.requests[self.policies.preemption.victim([*less_urgent, request]).request_id]
+            if victim is request:
+                return 0
+            assert victim in less_urgent, f"the preemption policy chose {victim.request_id}, not a candidate"
+            self._preempt(victim, out)
+            self.running.remove(victim)
+            returned = out.num_scheduled_tokens.pop(victim.request_id, 0)
         if not self.kv_cache.allocate_slots(request, num_new, hits):
             return None
         if clock is not None:
@@ -212,7 +230,7 @@ class Scheduler:
         self.waiting.remove(request)
         self.running.append(request)
         out.num_scheduled_tokens[request.request_id] = num_new
-        return num_new
+        return num_new - returned
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(request)

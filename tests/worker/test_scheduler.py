@@ -9,7 +9,7 @@ from policies.step_time import StepCost, StepTimeLimit
 from wire.sampling import SamplingParams
 from worker.kv_cache import KVCacheManager
 from worker.policy_set import WorkerPolicies
-from worker.request import FinishReason, Request, RequestStatus
+from worker.request import FinishReason, Request, RequestStatus, TierRef
 from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 
@@ -208,3 +208,33 @@ def test_under_a_time_limit_a_prefill_chunk_is_shortened_to_fit() -> None:
     scheduler = limited_scheduler(max_ms=5.0)  # below even the first request: it runs anyway
     scheduler.add(make_request("alone", 200))
     assert run_step(scheduler).num_scheduled_tokens == {"alone": 200}
+
+
+def test_a_more_urgent_request_takes_the_slot_of_a_less_urgent_one() -> None:
+    policies = WorkerPolicies.tiered()
+    scheduler = Scheduler(SchedulerConfig(256, 2), KVCacheManager(256, 4), policies)
+    for i in range(2):
+        batch = make_request(f"batch{i}", 8, max_tokens=30, arrival=i)
+        batch.tier = TierRef("batch", 2)
+        scheduler.add(batch)
+    run_step(scheduler)
+    urgent = make_request("urgent", 8, max_tokens=3, arrival=5)
+    urgent.tier = TierRef("interactive", 0, ttft_ms=1000.0, tpot_ms=100.0)
+    scheduler.add(urgent)
+    out = run_step(scheduler)
+    assert "urgent" in out.num_scheduled_tokens
+    assert [r.request_id for r in out.preempted] == ["batch1"]  # lowest-tier: the later of equals
+    assert scheduler.requests["batch1"].status is RequestStatus.PREEMPTED
+    while scheduler.num_unfinished:
+        run_step(scheduler)
+    # The baseline (newest) never preempts for a slot on an arrival's behalf: it waits.
+    scheduler = Scheduler(SchedulerConfig(256, 1), KVCacheManager(256, 4))
+    batch = make_request("batch", 8, max_tokens=5)
+    batch.tier = TierRef("batch", 2)
+    scheduler.add(batch)
+    run_step(scheduler)
+    urgent = make_request("urgent", 8, max_tokens=3, arrival=5)
+    urgent.tier = TierRef("interactive", 0)
+    scheduler.add(urgent)
+    out = run_step(scheduler)
+    assert out.num_scheduled_tokens == {"batch": 1} and not out.preempted
