@@ -22,6 +22,7 @@ Read at scrape (from admission, the dispatcher and the workers' last heartbeats)
     tierserve_migrations_total{model}
 From each worker's Register:
     tierserve_quant_layer_error{worker,model,layer}   a quantized linear's output error, measured at load
+    tierserve_tier_slo_feasible{model,tier}           1 if a worker's measured floor meets the tier's targets
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Callable
 
 from gateway.admission import AdmissionBook
 from gateway.dispatch import Dispatcher
+from gateway.feasibility import feasible_by_tier
 from gateway.metrics import TOKEN_LATENCY_BUCKETS, Counter, Gauge, Histogram, Labels, Registry
 from gateway.workers import WorkerState
 from telemetry import Telemetry
@@ -93,6 +95,7 @@ OTLP: dict[str, Instrument] = {
     "tierserve_quant_layer_error": Instrument(
         "tierserve.quant.layer_error", "{error}", G, (*WM, attr.QUANT_LAYER)
     ),
+    "tierserve_tier_slo_feasible": Instrument("tierserve.tier.slo_feasible", "1", G, (MODEL, TIER)),
 }
 
 
@@ -188,6 +191,12 @@ class GatewayMetrics:
             "A quantized linear's output error against its exact weight (relative L2), measured at load.",
             ("worker", "model", "layer"),
         )
+        self.tier_feasible = r.gauge(
+            "tierserve_tier_slo_feasible",
+            "1 when some worker of the model, alone, meets the tier's TTFT and TPOT targets (its floor "
+            "measured at start), else 0.",
+            ("model", "tier"),
+        )
 
     def watch(self, dispatcher: Dispatcher, admissions: AdmissionBook) -> None:
         """Refresh the scrape-time figures from ``dispatcher`` and ``admissions`` on every render."""
@@ -210,6 +219,11 @@ class GatewayMetrics:
                 self.seats_in_use.set(model, value=admission.seats_in_use)
                 for tier in admissions.tiers:
                     self.queue_length.set(model, tier.name, value=admission.queue_length(tier.name))
+            self.tier_feasible.clear()
+            for (model, tier_name), is_feasible in feasible_by_tier(
+                admissions.tiers, dispatcher.registry
+            ).items():
+                self.tier_feasible.set(model, tier_name, value=float(is_feasible))
             self.worker_up.clear()
             for gauge in per_worker:
                 gauge.clear()

@@ -16,6 +16,7 @@ from gateway.admission import AdmissionBook
 from gateway.dispatch import Dispatcher
 from gateway.drain import Drain
 from gateway.errors import APIError
+from gateway.feasibility import FeasibilityLog
 from gateway.instruments import GatewayMetrics
 from gateway.logprobs import TokenTexts
 from gateway.tokenizer import PromptBuilder
@@ -66,6 +67,7 @@ class Gateway:
             "degradation", policies.degradation.name, policies.degradation.params, allow_plugins=allow
         )
         self.dispatcher.add_listener(self.admissions.capacity_changed)
+        self.dispatcher.add_listener(FeasibilityLog(self.config.tiers, self.dispatcher.registry))
         self.metrics.watch(self.dispatcher, self.admissions)
         self.metrics.export(self.telemetry)  # over OTLP too, when OTEL_* configures metrics export
 

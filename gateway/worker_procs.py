@@ -23,15 +23,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from gateway.tokenizer import PromptBuilder
 from policies.base import PolicyKind
+from wire import config as config_kinds
 from wire.config import ModelPool, ServerConfig
 
 WORKER_STOP_TIMEOUT_S = 10.0
 PR_SET_PDEATHSIG = 1
 WORKER_NICENESS = 5
-WORKER_POLICY_KINDS: tuple[PolicyKind, ...] = ("ordering", "budget", "preemption", "eviction")
+WORKER_POLICY_KINDS = cast(tuple[PolicyKind, ...], config_kinds.WORKER_POLICY_KINDS)
 
 
 @dataclass(slots=True)
@@ -54,12 +56,7 @@ class PoolLaunch:
 
 def policies_arg(config: ServerConfig) -> list[str]:
     """The worker kinds of the config's [policies], as the worker's --policies JSON."""
-    chosen: dict[str, object] = {
-        kind: {"name": getattr(config.policies, kind).name, "params": getattr(config.policies, kind).params}
-        for kind in WORKER_POLICY_KINDS
-    }
-    chosen["allow_plugins"] = list(config.policies.allow_plugins)
-    return ["--policies", json.dumps(chosen)]
+    return ["--policies", json.dumps(config.policies.worker_selections())]
 
 
 def pool_args(pool: ModelPool) -> list[str]:

@@ -81,6 +81,22 @@ def available(points: Iterable[EntryPoint] | None = None) -> dict[str, PolicySpe
     return specs
 
 
+def effective_params(
+    kind: PolicyKind,
+    name: str,
+    params: Mapping[str, Any] | None = None,
+    *,
+    allow_plugins: Collection[str] = (),
+    registry: Mapping[str, PolicySpec] | None = None,
+) -> dict[str, Any]:
+    """Every parameter of the ``kind`` policy ``name`` as it would run with ``params``: the given ones
+    and the defaults (``tierserve config show``); :class:`PolicyError` as :func:`load_policy`."""
+    policy = load_policy(kind, name, params, allow_plugins=allow_plugins, registry=registry)
+    typed = msgspec.convert(dict(params or {}), type(policy).Params, strict=False)
+    builtins = msgspec.to_builtins(typed)
+    return builtins if isinstance(builtins, dict) else {}
+
+
 def load_policy(
     kind: PolicyKind,
     name: str,

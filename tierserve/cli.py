@@ -1,6 +1,7 @@
 """The ``tierserve`` command: the composition root, the one module that may import gateway and worker.
 
     tierserve serve ...                      the gateway and its worker processes (here)
+    tierserve config show [--config FILE]    the effective configuration (``config_show.py``)
     tierserve keys generate DIR              a CURVE key pair for a worker link (here)
     tierserve models pull | generate | worker    the worker side (``worker/cli.py``)
     tierserve load | bench                   the load generator and benchmarks (``loadtest/``)
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
     from gateway.worker_procs import PoolLaunch
     from wire.config import ServerConfig
 
-USAGE = """usage: tierserve {serve,keys,models,generate,worker,load,bench} ...
+USAGE = """usage: tierserve {serve,config,keys,models,generate,worker,load,bench} ...
 
   serve      run the OpenAI-compatible gateway and its worker processes (--no-workers: gateway only)
+  config     config show [--config FILE]: the effective configuration as TOML, defaults included
   keys       CURVE keys for the gateway-worker links (keys generate DIR)
   models     manage the local model cache (models pull)
   generate   answer one prompt in-process with the engine
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     if argv[0] == "serve":
         return _serve(_serve_parser().parse_args(argv[1:]))
+    if argv[0] == "config" and argv[1:2] == ["show"]:
+        from tierserve import config_show
+
+        return config_show.main(argv[2:])
     if argv[0] == "keys":
         return _keys(_keys_parser().parse_args(argv[1:]))
     if argv[0] == "load":

@@ -198,16 +198,29 @@ def _policy(name: str) -> Any:
 
 
 class PoliciesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    ordering: PolicySelection = _policy("fcfs")
-    budget: PolicySelection = _policy("static")
-    preemption: PolicySelection = _policy("newest")
-    eviction: PolicySelection = _policy("lru")
+    """Tier-aware by default; ``fcfs`` / ``static`` / ``newest`` / ``lru`` is first come first served
+    (docs/policies.md says when to choose it)."""
+
+    ordering: PolicySelection = _policy("tiered")
+    budget: PolicySelection = _policy("slo-budget")
+    preemption: PolicySelection = _policy("lowest-tier")
+    eviction: PolicySelection = _policy("priority-weighted")
     admission: PolicySelection = _policy("bounded-queue")
     routing: PolicySelection = _policy("least-loaded")
     degradation: PolicySelection = _policy("never")
     allow_plugins: tuple[Name, ...] = ()  # entry-point plugin names that may load; built-ins always may
 
+    def worker_selections(self) -> dict[str, Any]:
+        """The worker kinds as a worker's ``--policies`` JSON object (plugins allowed included)."""
+        chosen: dict[str, Any] = {
+            kind: {"name": getattr(self, kind).name, "params": dict(getattr(self, kind).params)}
+            for kind in WORKER_POLICY_KINDS
+        }
+        chosen["allow_plugins"] = list(self.allow_plugins)
+        return chosen
 
+
+WORKER_POLICY_KINDS = ("ordering", "budget", "preemption", "eviction")  # the rest run in the gateway
 POLICY_KINDS = tuple(f for f in PoliciesConfig.__struct_fields__ if f != "allow_plugins")
 
 

@@ -79,6 +79,10 @@ class Register(_Message, tag="register", frozen=True, kw_only=True):
     # total memory, or the CPU's model name and None. None from a worker that predates them.
     device_name: Name | None = None
     device_memory_bytes: int | None = None
+    # Measured once at start, alone (worker/calibrate.py): a one-decode step, a prefill per token.
+    # None from a worker that did not measure (policies/feasibility.py says what they decide).
+    step_floor_ms: float | None = None
+    prefill_ms_per_token: float | None = None
     pid: int
 
 

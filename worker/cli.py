@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="abort a gateway's requests once its link has been down this long",
     )
     worker.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="skip measuring the step floor at start (a prefill and a few decodes alone; "
+        "the gateway then cannot say whether this machine meets each tier's targets)",
+    )
+    worker.add_argument(
         "--served-name",
         default=None,
         metavar="NAME",
@@ -234,9 +240,13 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from policies.feasibility import save_floor
     from telemetry import TelemetryConfigError, configure
+    from worker.calibrate import measure_step_floor
     from worker.daemon import WorkerDaemon
+    from worker.devices import describe_device
     from worker.engine import Engine
+    from worker.models.store import step_floors_dir
 
     _configure_logging(args.verbose, args.log_file)
     if args.heartbeat_interval <= 0:
@@ -268,6 +278,7 @@ def _worker(args: argparse.Namespace) -> int:
         except Exception as exc:  # a worker that cannot start says why in one line, then exits 1
             return _cannot_start(exc, args.log_file)
     logging.getLogger(__name__).info("policies: %s", engine.policies.describe())
+    step_floor = None if args.no_calibrate else measure_step_floor(engine)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
         telemetry = configure("tierserve", "worker")  # serve passes its OTEL_* (and service name) down
@@ -285,7 +296,11 @@ def _worker(args: argparse.Namespace) -> int:
             context_classes=[c for c in args.context_classes.split(",") if c],
             curve=curve,
             orphan_timeout_s=args.orphan_timeout,
+            step_floor=step_floor,
         )
+        if step_floor is not None:
+            device = describe_device(engine.runner.device)
+            save_floor(step_floors_dir(), daemon.model_name, step_floor, device.name)
         return daemon.run()
     finally:
         telemetry.shutdown()  # flush the last spans before the process goes
@@ -379,11 +394,12 @@ def _curve_keys(args: argparse.Namespace, num_links: int) -> CurveClientKeys | N
 
 
 def _policies(text: str | None) -> WorkerPolicies:
-    """``--policies`` JSON (what ``serve`` passes from the config's [policies]) → the worker's set."""
-    if not text:
-        return WorkerPolicies.baseline()
+    """``--policies`` JSON (what ``serve`` passes from the config's [policies]) → the worker's set;
+    none given: the configuration's defaults (the tiered set), as ``serve`` would pass them."""
+    from wire.config import PoliciesConfig
+
     try:
-        raw = json.loads(text)
+        raw = json.loads(text) if text else PoliciesConfig().worker_selections()
     except json.JSONDecodeError as exc:
         raise ValueError(f"--policies: not JSON: {exc}") from None
     if not isinstance(raw, dict):

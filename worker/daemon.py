@@ -47,6 +47,7 @@ from types import FrameType
 
 import msgspec
 
+from policies.feasibility import StepFloor
 from telemetry import Telemetry
 from wire.errors import InvalidRequestError
 from wire.messages import (
@@ -108,18 +109,21 @@ class WorkerDaemon:
         context_classes: Sequence[str] = (),
         curve: CurveClientKeys | None = None,
         orphan_timeout_s: float = ORPHAN_TIMEOUT_S,
+        step_floor: StepFloor | None = None,
     ) -> None:
         """``connect``: the gateway address, or several (one link each, see the module docstring).
         ``model_name``: what Register announces; by default the name of ``engine.config.model``.
         ``telemetry``: traces of the requests whose Submit carries a trace context (off by default).
         ``curve``: CURVE keys for every link (plain links when None).
-        ``orphan_timeout_s``: a gateway's requests are aborted once its link has been down this long."""
+        ``orphan_timeout_s``: a gateway's requests are aborted once its link has been down this long.
+        ``step_floor``: what worker/calibrate.py measured, announced in Register."""
         self.engine = engine
         self._tracing = _observe(engine, telemetry, worker_id)
         self.worker_id = worker_id
         self.model_name = model_name or _model_name(engine.config.model)
         self.context_classes = list(context_classes)  # what Register announces; empty: every class
         self.orphan_timeout_s = orphan_timeout_s
+        self.step_floor = step_floor
         self._num_steps = 0
         self._step_time_ema_ms = 0.0
         self._is_draining = False
@@ -406,6 +410,8 @@ class WorkerDaemon:
             quant_layer_errors=dict(engine.quant_layer_errors),
             device_name=device.name,
             device_memory_bytes=device.memory_bytes,
+            step_floor_ms=self.step_floor.decode_ms if self.step_floor else None,
+            prefill_ms_per_token=self.step_floor.prefill_ms_per_token if self.step_floor else None,
             pid=os.getpid(),
         )
 

@@ -21,8 +21,9 @@ from policies.eviction import Lru, PriorityWeighted, PriorityWeightedParams
 from policies.ordering import Fcfs, Tiered, TieredParams
 from policies.preemption import LowestTier, Newest
 from policies.registry import load_policy
+from wire.config import WORKER_POLICY_KINDS
 
-WORKER_KINDS = ("ordering", "budget", "preemption", "eviction")
+WORKER_KINDS = WORKER_POLICY_KINDS
 
 
 @dataclass(slots=True)

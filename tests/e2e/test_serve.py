@@ -374,6 +374,9 @@ def test_metrics_count_requests_tokens_and_latency(base_url: str, client: openai
     assert tokens - (metric(before, "tierserve_output_tokens_total", **labels) or 0) == 4
     assert (metric(text, "tierserve_time_to_first_token_seconds_count", **labels) or 0) >= 1
     assert metric(text, "tierserve_worker_up", worker="mock-0", state="ready") == 1
+    # The mock worker measured its floor at start (5 ms steps): every default tier is within reach.
+    for tier in ("interactive", "standard", "batch"):
+        assert metric(text, "tierserve_tier_slo_feasible", model="mock", tier=tier) == 1
 
 
 def test_non_streamed_client_that_leaves_aborts_its_request(base_url: str) -> None:

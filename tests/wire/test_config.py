@@ -41,7 +41,8 @@ def test_defaults_load_with_no_file_and_empty_env() -> None:
     assert [(p.name, p.path, p.role) for p in config.models.pools] == [
         ("smollm2-135m-instruct", "default-q4_1", "primary")
     ]
-    assert config.policies.ordering.name == "fcfs"
+    assert config.policies.ordering.name == "tiered"  # tier-aware by default
+    assert (config.policies.budget.name, config.policies.preemption.name) == ("slo-budget", "lowest-tier")
     assert config.policies.routing.name == "least-loaded"
     anonymous = config.anonymous_tenant()
     assert anonymous is not None and anonymous.name == "anonymous"

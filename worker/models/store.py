@@ -52,6 +52,11 @@ def kernel_cache_dir() -> Path:
     return cache_root() / ".kernels"
 
 
+def step_floors_dir() -> Path:
+    """Where workers leave the step floor they measured at start (worker/calibrate.py)."""
+    return cache_root() / ".step_floors"
+
+
 def default_model_dir() -> Path:
     """Where the default model's folder is (or will be, once pulled)."""
     return cache_root() / DEFAULT_MODEL

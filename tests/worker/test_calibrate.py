@@ -1,0 +1,35 @@
+"""The step floor a worker measures at start, on the mock engine (whose steps cost what it is told)."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.budget import SloBudget
+from policies.feasibility import FEASIBILITY_PROMPT_TOKENS
+from wire.sampling import SamplingParams
+from worker.calibrate import measure_step_floor
+from worker.config import EngineConfig
+from worker.mock import MockCost, build_mock_engine
+from worker.policy_set import WorkerPolicies
+
+
+def test_the_floor_is_what_a_decode_and_a_prefill_cost_alone_and_the_engine_is_left_idle() -> None:
+    # 8 ms a step + 0.02 ms a token: a decode ~8 ms, the 512-token prefill ~18 ms (~0.036 ms/token).
+    policies = WorkerPolicies.tiered()
+    engine = build_mock_engine(
+        EngineConfig(model="mock"), MockCost(fixed_ms=8.0, per_token_ms=0.02), policies=policies
+    )
+    floor = measure_step_floor(engine)
+    assert floor.decode_ms == pytest.approx(8.0, rel=0.5)
+    prefill_ms = 8.0 + 0.02 * FEASIBILITY_PROMPT_TOKENS
+    assert floor.prefill_ms_per_token * FEASIBILITY_PROMPT_TOKENS == pytest.approx(prefill_ms, rel=0.5)
+    assert not engine.has_unfinished() and engine.scheduler.num_unfinished == 0
+    budget = policies.budget
+    assert isinstance(budget, SloBudget)
+    assert budget.model.cost.fixed_ms != 10.0  # the budget learnt from those steps, as from any
+    # The calibration prompt's blocks are salted: a request of the same tokens gets no prefix hit.
+    vocab = engine.model_config.vocab_size
+    prompt = [3 + (7 * i + 1) % (vocab - 3) for i in range(FEASIBILITY_PROMPT_TOKENS)]
+    engine.add_request(prompt, SamplingParams(max_tokens=1))
+    (output,) = [o for o in engine.step() if o.new_token_ids] or [None]
+    assert output is not None and output.num_cached_tokens == 0
