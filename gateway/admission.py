@@ -6,14 +6,19 @@
                  │           the body's ``priority``, lower first, then arrival)
                  └─ shed ──▶ Shed: 429, Retry-After from the drain rate
 
-This module is the mechanism; the built-in ``bounded-queue`` policy admits while there are seats and
-nobody is ahead, queues while the tier's queue has room, and sheds when it is full, when the expected
-wait passes the tier's ``max_wait_s``, or (sheddable tiers) while anything more urgent waits.
+This module is the mechanism; the built-in ``bounded-queue`` policy admits while the tier has room
+and nobody is ahead, queues while the tier's queue has room, and sheds when it is full, when the
+expected wait passes the tier's limit (sheddable tiers: 60 s by default), or (sheddable tiers) while
+anything more urgent waits.
 
 A *seat* is one sequence running or waiting on a worker. The fleet has ``capacity()`` of them (the ready
 workers' ``max_num_seqs`` times ``gateway.max_in_flight_factor``: a little more than they run at once,
 so each worker's own scheduler always has the next request at hand). A request with ``n`` choices takes
-``n`` seats; it gets them all at once or waits.
+``n`` seats; it gets them all at once or waits. Seats are counted per tier, so a tier's room leaves out
+the seats of less urgent tiers (up to twice the capacity in all: the worker's scheduler gives an urgent
+request a less urgent one's slot) and keeps free what the more urgent tiers are predicted to need: 1.25
+times the most each held over the last ``DEMAND_WINDOW_S``, less what it holds now. So a batch request
+is deferred (then shed) before an interactive one would wait for a seat.
 
 Retry-After is the time the queue ahead of the caller would take to drain at the rate seats were
 released over the last ``DRAIN_WINDOW_S`` seconds (1 s when nothing has finished yet), clamped to
@@ -37,6 +42,28 @@ from wire.tier import Tier
 
 DRAIN_WINDOW_S = 10.0
 MAX_RETRY_AFTER_S = 60
+DEMAND_WINDOW_S = 60.0  # a tier's peak seats over this long sizes what is kept free for it
+RESERVE_HEADROOM = 1.25
+
+
+class SlidingMax:
+    """The largest value added in the last ``window_s`` (a monotonic deque: O(1) amortized)."""
+
+    __slots__ = ("_values", "window_s")
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._values: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, now: float, value: int) -> None:
+        while self._values and self._values[-1][1] <= value:
+            self._values.pop()
+        self._values.append((now, value))
+
+    def peak(self, now: float) -> int:
+        while self._values and now - self._values[0][0] > self.window_s:
+            self._values.popleft()
+        return self._values[0][1] if self._values else 0
 
 
 class Shed(Exception):
@@ -71,7 +98,7 @@ class Ticket:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.admission._release(self.seats)
+            self.admission._release(self.tier, self.seats)
 
 
 @dataclass(slots=True)
@@ -99,6 +126,8 @@ class Admission:
             t.name: collections.deque() for t in self._tiers
         }
         self._in_use = 0
+        self._in_use_by_tier = {t.name: 0 for t in self._tiers}
+        self._demand = {t.name: SlidingMax(DEMAND_WINDOW_S) for t in self._tiers}
         self._released: collections.deque[tuple[float, int]] = collections.deque()  # (time, seats)
         self.counts: dict[str, TierCounts] = {t.name: TierCounts() for t in self._tiers}
 
@@ -133,7 +162,7 @@ class Admission:
         now = self._clock()
         decision = self.policy.decide(self.view(tier, seats, priority))
         if decision.action == "admit":
-            self._in_use += seats
+            self._take(tier, seats)
             self.counts[tier.name].admitted += 1
             return Ticket(self, tier, seats, 0.0)
         if decision.action == "shed":
@@ -145,7 +174,7 @@ class Admission:
             await waiter.granted
         except asyncio.CancelledError:
             if waiter.granted.done() and not waiter.granted.cancelled():
-                self._release(seats)  # granted in the same instant we were cancelled: give them back
+                self._release(tier, seats)  # granted in the same instant we were cancelled: give them back
             else:
                 with contextlib.suppress(ValueError):  # _grant may have dropped it already
                     queue.remove(waiter)
@@ -165,19 +194,36 @@ class Admission:
 
     def view(self, tier: Tier, seats: int, priority: int = 0) -> AdmissionView:
         """What the admission policy decides on for a request of ``tier`` asking for ``seats``."""
-        more_urgent = [t for t in self._tiers if t.rank < tier.rank]
         queue = self._queues[tier.name]
+        return self._view(tier, seats, sum(w.seats for w in queue if w.priority <= priority))
+
+    def _view(self, tier: Tier, seats: int, seats_ahead_in_tier: int) -> AdmissionView:
+        more_urgent = [t for t in self._tiers if t.rank < tier.rank]
         return AdmissionView(
             tier=tier,
             seats=seats,
             seats_in_use=self._in_use,
             capacity=self._capacity(),
-            queue_length=len(queue),
-            seats_ahead=sum(w.seats for t in more_urgent for w in self._queues[t.name])
-            + sum(w.seats for w in queue if w.priority <= priority),
-            more_urgent_waiting=any(self._queues[t.name] for t in self._tiers if t.rank < tier.rank),
+            queue_length=len(self._queues[tier.name]),
+            seats_ahead=sum(w.seats for t in more_urgent for w in self._queues[t.name]) + seats_ahead_in_tier,
+            more_urgent_waiting=any(self._queues[t.name] for t in more_urgent),
             drain_rate=self.drain_rate(),
+            seats_in_use_at_or_above=sum(self._in_use_by_tier[t.name] for t in (*more_urgent, tier)),
+            seats_reserved=sum(self._reserve(t) for t in more_urgent),
         )
+
+    def _reserve(self, tier: Tier) -> int:
+        """Free seats kept for ``tier``: what its peak over ``DEMAND_WINDOW_S`` (with headroom) needs
+        beyond what it holds now. (A tier never seen lately gets none kept: an arrival of it is
+        still admitted at once, into the overflow, when it is more urgent than what runs.)"""
+        in_use = self._in_use_by_tier[tier.name]
+        peak = max(self._demand[tier.name].peak(self._clock()), in_use)
+        return max(0, math.ceil(RESERVE_HEADROOM * peak) - in_use)
+
+    def _take(self, tier: Tier, seats: int) -> None:
+        self._in_use += seats
+        self._in_use_by_tier[tier.name] += seats
+        self._demand[tier.name].add(self._clock(), self._in_use_by_tier[tier.name])
 
     def _shed(self, tier: Tier, reason: str) -> Shed:
         self.counts[tier.name].shed += 1
@@ -190,8 +236,9 @@ class Admission:
 
     # ---- releasing ----------------------------------------------------------------------------
 
-    def _release(self, seats: int) -> None:
+    def _release(self, tier: Tier, seats: int) -> None:
         self._in_use -= seats
+        self._in_use_by_tier[tier.name] -= seats
         now = self._clock()
         self._released.append((now, seats))
         self._forget_old_releases(now)
@@ -202,8 +249,8 @@ class Admission:
         self._grant()
 
     def _grant(self) -> None:
-        """Hand free seats to waiters: most urgent tier first, FIFO within it, never skipping a head."""
-        capacity = self._capacity()
+        """Hand free seats to waiters: most urgent tier first, in queue order within it, never
+        skipping a head; a head goes when the policy would admit it (nobody ahead of it)."""
         for tier in self._tiers:
             queue = self._queues[tier.name]
             while queue:
@@ -211,10 +258,10 @@ class Admission:
                 if head.granted.done():  # cancelled; its admit() removes it
                     queue.popleft()
                     continue
-                if self._in_use + head.seats > max(capacity, head.seats):
+                if self.policy.decide(self._view(tier, head.seats, 0)).action != "admit":
                     return
                 queue.popleft()
-                self._in_use += head.seats
+                self._take(tier, head.seats)
                 head.granted.set_result(None)
 
     def _forget_old_releases(self, now: float) -> None:

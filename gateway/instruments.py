@@ -95,7 +95,7 @@ OTLP: dict[str, Instrument] = {
     "tierserve_quant_layer_error": Instrument(
         "tierserve.quant.layer_error", "{error}", G, (*WM, attr.QUANT_LAYER)
     ),
-    "tierserve_tier_slo_feasible": Instrument("tierserve.tier.slo_feasible", "1", G, (MODEL, TIER)),
+    "tierserve_tier_slo_feasible": Instrument("tierserve.tier.slo_feasible", "{tier}", G, (MODEL, TIER)),
 }
 
 

@@ -101,7 +101,7 @@ async def test_a_newcomer_does_not_overtake_waiters_of_its_tier_or_above() -> No
     holder = await admission.admit(INTERACTIVE)
     queued = asyncio.create_task(admission.admit(INTERACTIVE))
     await settle()
-    seats[0] = 3  # more room appears, but only capacity_changed() hands it out
+    seats[0] = 4  # more room appears, but only capacity_changed() hands it out
     late = asyncio.create_task(admission.admit(STANDARD))
     await settle()
     assert not late.done()  # an interactive request is waiting ahead of it
@@ -140,12 +140,13 @@ async def test_full_queue_sheds_with_retry_after_from_the_drain_rate() -> None:
 
 async def test_sheddable_tier_is_refused_while_more_urgent_requests_wait() -> None:
     admission, _ = make(1)
-    holder = await admission.admit(BATCH)
+    holder = await admission.admit(STANDARD)
     batch_waiter = asyncio.create_task(admission.admit(BATCH))  # nothing more urgent waits: it queues
     await settle()
     assert admission.queue_length("batch") == 1
-    urgent = asyncio.create_task(admission.admit(STANDARD))
+    urgent = asyncio.create_task(admission.admit(STANDARD))  # its own tier holds the seat: it waits
     await settle()
+    assert admission.queue_length("standard") == 1
     with pytest.raises(Shed, match="more urgent"):
         await admission.admit(BATCH)
     holder.release()
@@ -154,6 +155,63 @@ async def test_sheddable_tier_is_refused_while_more_urgent_requests_wait() -> No
     ticket.release()
     (await asyncio.wait_for(batch_waiter, 1)).release()
     assert admission.seats_in_use == 0
+
+
+async def test_an_urgent_arrival_goes_into_the_overflow_over_less_urgent_seats() -> None:
+    admission, _ = make(4)
+    batch = [await admission.admit(BATCH) for _ in range(4)]
+    # The fleet's 4 seats are batch's: interactive still goes at once (the worker takes a batch
+    # request's slot for it), up to 4 more seats; then it waits like anyone.
+    urgent = [await asyncio.wait_for(admission.admit(INTERACTIVE), 1) for _ in range(4)]
+    assert admission.seats_in_use == 8
+    late = asyncio.create_task(admission.admit(INTERACTIVE))
+    await settle()
+    assert not late.done()
+    for ticket in [*batch, *urgent]:
+        ticket.release()
+    (await asyncio.wait_for(late, 1)).release()
+
+
+async def test_a_less_urgent_tier_is_deferred_to_keep_seats_for_the_urgent_peak() -> None:
+    clock = Clock()
+    admission, _ = make(10, clock)
+    urgent = [await admission.admit(INTERACTIVE) for _ in range(4)]  # interactive's peak: 4 seats
+    for ticket in urgent[:2]:
+        ticket.release()
+    # 1.25 · 4 = 5 seats kept for interactive, 2 of them held: batch may fill 10 - 3 = 7 in all.
+    view = admission.view(BATCH, 1)
+    assert view.seats_reserved == 3 and view.room == 7
+    held = [await asyncio.wait_for(admission.admit(BATCH), 1) for _ in range(5)]
+    deferred = asyncio.create_task(admission.admit(BATCH))
+    await settle()
+    assert not deferred.done() and admission.seats_in_use == 7
+    clock.now += 61  # the peak is forgotten: only what interactive holds now counts
+    urgent[2].release()  # a release hands out seats: 1 kept (ceil(1.25 · the 1 still held) - 1)
+    (await asyncio.wait_for(deferred, 1)).release()
+    assert admission.view(BATCH, 1).seats_reserved == 1
+    for ticket in [*held, urgent[3]]:
+        ticket.release()
+    assert admission.seats_in_use == 0
+
+
+async def test_a_sheddable_request_whose_wait_would_be_long_is_shed_with_retry_after() -> None:
+    clock = Clock()
+    policy = BoundedQueue(BoundedQueueParams(sheddable_max_wait_s=15.0))
+    admission = Admission(TIERS, lambda: 1, clock, policy)
+    (await admission.admit(BATCH)).release()  # one seat released at t = 100
+    clock.now += 5.0  # ... and none since: 1 seat per 5 s
+    holder = await admission.admit(BATCH)
+    # Expected waits 5, 10 and 15 s: they queue; the next one's would be 20 s: shed, Retry-After 20.
+    waiting = [asyncio.create_task(admission.admit(BATCH)) for _ in range(3)]
+    await settle()
+    assert admission.queue_length("batch") == 3
+    with pytest.raises(Shed, match="expected wait of 20 s is past the 'batch' tier's 15 s") as info:
+        await admission.admit(BATCH)
+    assert info.value.retry_after_s == 20
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    holder.release()
 
 
 async def test_a_cancelled_waiter_leaves_the_queue_and_holds_no_seat() -> None:

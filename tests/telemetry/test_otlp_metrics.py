@@ -212,6 +212,7 @@ def record_some(metrics: GatewayMetrics) -> None:
     metrics.worker_step_time.set("mock-0", "mock", value=0.005)
     metrics.worker_hit_ratio.set("mock-0", "mock", value=0.25)
     metrics.quant_layer_error.set("mock-0", "mock", "layers.0.qkv_proj", value=3e-5)
+    metrics.tier_feasible.set("mock", "interactive", value=1.0)
     for gauge, value in ((metrics.worker_running, 2), (metrics.worker_waiting, 1),
                          (metrics.worker_used_blocks, 30), (metrics.worker_free_blocks, 482),
                          (metrics.worker_total_blocks, 512), (metrics.index_blocks, 40)):  # fmt: skip
