@@ -1,21 +1,22 @@
-"""The ``tiers`` scenario: first come first served vs the tiered policy set, under overload, in one run.
+"""The ``tiers`` scenario: first come first served vs the default (tiered) config, under overload, in one run.
 
     tierserve bench tiers --json [--duration 90] [--probe-s 30]
 
 One worker of the embedded model (``--mock`` swaps in mock workers: plumbing only, a mock step costs
-no compute). The ``interactive-batch`` workload (30% interactive: TTFT 1 s, TPOT 100 ms; 70% batch,
-sheddable) as a seeded Poisson process:
+no compute), in the default dtype. The ``interactive-batch`` workload (30% interactive: TTFT 1 s,
+TPOT 100 ms; 70% batch, sheddable) as a seeded Poisson process:
 
   1. saturation: probes of ``--probe-s`` seconds at rising rates against serve with the ``fcfs`` set;
      the saturation rate is the highest probed rate at which fcfs keeps interactive TPOT p99 within
      the tier's target (the lowest probe rate if none does; the JSON says which);
   2. the same seeded workload at ``--load-factor`` (2) × saturation for ``--duration`` seconds, once
-     against a fresh server with the fcfs set and once with the tiered set; every request is waited
-     for (client timeout ``--timeout``), so a request that is neither finished nor shed counts.
+     against a fresh server with the fcfs set and once with the default config (no policy named:
+     what a new user gets), then the default config again at twice that load (4×); every request is
+     waited for (client timeout ``--timeout``), so a request that is neither finished nor shed counts.
 
-Figures: interactive SLO attainment (TTFT and TPOT within target) under each set, output tokens/s
-under each and their ratio, and the fraction of batch requests that completed or were shed fast
-(429 within ``FAST_SHED_S``).
+Figures: interactive SLO attainment (TTFT and TPOT within target) in each run, output tokens/s and
+the ratio default ÷ fcfs at 2×, per-tier TTFT and TPOT p99, the fraction of batch requests shed, and
+the fraction that completed or were shed fast (429 within ``FAST_SHED_S``).
 """
 
 from __future__ import annotations
@@ -51,15 +52,9 @@ preemption = "newest"
 eviction = "lru"
 admission = "bounded-queue"
 """,
-    "tiered": """
-[policies]
-ordering = "tiered"
-budget = "slo-budget"
-preemption = "lowest-tier"
-eviction = "priority-weighted"
-admission = { name = "bounded-queue", params = { max_wait_s = { batch = 60.0 } } }
-""",
+    "tiered": "",  # the defaults: tiered, slo-budget, lowest-tier, priority-weighted, bounded-queue
 }
+RUNS = (("fcfs", "fcfs", 1.0), ("tiered", "tiered", 1.0), ("tiered_4x", "tiered", 2.0))  # name, set, × load
 
 
 def progress(message: str) -> None:
@@ -116,38 +111,65 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         progress(
             f"saturation {base_rate:g} req/s ({'found' if found else 'none passed'}); load {rate:g} req/s"
         )
-        # 2. the same workload under each set
+        # 2. the same workload under each set, then the default config at twice the load
         results: dict[str, SetResult] = {}
-        for name in SETS:
-            with _server(workdir, name, args, name) as server:
-                results[name] = _load(server, args, rate, args.duration, seed=args.seed, config=config)
+        for name, set_name, factor in RUNS:
+            with _server(workdir, set_name, args, name) as server:
+                results[name] = _load(
+                    server, args, rate * factor, args.duration, seed=args.seed, config=config
+                )
             tok_s = results[name].summary.overall.output_tok_s
             progress(f"{name}: {tok_s:.1f} tok/s, interactive attainment {_fmt(_attainment(results[name]))}")
     fcfs, tiered = results["fcfs"], results["tiered"]
     throughput = {name: r.summary.overall.output_tok_s for name, r in results.items()}
-    return {
+    figures: dict[str, object] = {
         "scenario": "tiers",
         "model": "mock" if args.mock else "smollm2-135m-instruct",
+        "config": "the default config (tiered) vs fcfs",
         "workload": WORKLOAD,
         "saturation_rate": base_rate,
         "saturation_found": found,
         "probes": probes,
         "rate": rate,
+        "rate_4x": rate * 2,
         "duration_s": args.duration,
         "num_requests": len(tiered.records),
         "interactive_attainment_fcfs": _round(_attainment(fcfs)),
         "interactive_attainment_tiered": _round(_attainment(tiered)),
+        "interactive_attainment_tiered_4x": _round(_attainment(results["tiered_4x"])),
         "interactive_tpot_p99_ms_fcfs": _round(fcfs.interactive_tpot_p99_ms()),
         "interactive_tpot_p99_ms_tiered": _round(tiered.interactive_tpot_p99_ms()),
         "throughput_tok_s_fcfs": round(throughput["fcfs"], 2),
         "throughput_tok_s_tiered": round(throughput["tiered"], 2),
+        "throughput_tok_s_tiered_4x": round(throughput["tiered_4x"], 2),
         "throughput_ratio": _round(throughput["tiered"] / throughput["fcfs"] if throughput["fcfs"] else None),
+        "batch_shed_fraction": _round(batch_shed_fraction(tiered.records)),
+        "batch_shed_fraction_4x": _round(batch_shed_fraction(results["tiered_4x"].records)),
+        "interactive_shed_4x": _num_shed(results["tiered_4x"].records, "interactive"),
         "batch_completed_or_shed_fraction": _round(batch_completed_or_shed(tiered.records)),
         "batch_completed_or_shed_fraction_fcfs": _round(batch_completed_or_shed(fcfs.records)),
-        "batch_shed_tiered": sum(
-            r.tier == "batch" and r.outcome is Outcome.RATE_LIMITED for r in tiered.records
-        ),
+        "batch_shed_tiered": _num_shed(tiered.records, "batch"),
+        "per_tier": {name: _per_tier(result) for name, result in results.items()},
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+    return figures
+
+
+def batch_shed_fraction(records: Sequence[RequestRecord]) -> float | None:
+    batch = [r for r in records if r.tier == "batch"]
+    return _num_shed(records, "batch") / len(batch) if batch else None
+
+
+def _per_tier(result: SetResult) -> dict[str, dict[str, float | None]]:
+    """TTFT and TPOT p99 (ms) and SLO attainment of each tier in one run."""
+    return {
+        name: {
+            "ttft_p99_ms": _round(group.ttft_ms.p99),
+            "tpot_p99_ms": _round(group.tpot_ms.p99),
+            "slo_attainment": _round(group.slo_attainment),
+            "num_requests": group.num_requests,
+        }
+        for name, group in result.summary.tiers.items()
     }
 
 
@@ -162,8 +184,8 @@ def batch_completed_or_shed(records: Sequence[RequestRecord]) -> float | None:
     return good / len(batch)
 
 
-def _num_shed(records: Sequence[RequestRecord]) -> int:
-    return sum(r.tier == "batch" and r.outcome is Outcome.RATE_LIMITED for r in records)
+def _num_shed(records: Sequence[RequestRecord], tier: str) -> int:
+    return sum(r.tier == tier and r.outcome is Outcome.RATE_LIMITED for r in records)
 
 
 def _attainment(result: SetResult) -> float | None:

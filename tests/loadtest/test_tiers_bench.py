@@ -42,6 +42,9 @@ def test_the_scenario_runs_end_to_end_on_mock_workers() -> None:
     for key in (
         "interactive_attainment_fcfs",
         "interactive_attainment_tiered",
+        "interactive_attainment_tiered_4x",
+        "batch_shed_fraction",
+        "batch_shed_fraction_4x",
         "throughput_tok_s_fcfs",
         "throughput_tok_s_tiered",
         "throughput_ratio",
@@ -51,3 +54,6 @@ def test_the_scenario_runs_end_to_end_on_mock_workers() -> None:
     assert [p["rate"] for p in figures["probes"]] == [4.0, 8.0][: len(figures["probes"])]
     assert figures["rate"] == figures["saturation_rate"] * 2
     assert figures["num_requests"] > 0 and figures["throughput_tok_s_tiered"] > 0
+    assert figures["rate_4x"] == figures["rate"] * 2
+    assert set(figures["per_tier"]) == {"fcfs", "tiered", "tiered_4x"}
+    assert "ttft_p99_ms" in figures["per_tier"]["tiered"]["interactive"]
