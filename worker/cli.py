@@ -395,11 +395,9 @@ def _curve_keys(args: argparse.Namespace, num_links: int) -> CurveClientKeys | N
 
 def _policies(text: str | None) -> WorkerPolicies:
     """``--policies`` JSON (what ``serve`` passes from the config's [policies]) → the worker's set;
-    none given: the configuration's defaults (the tiered set), as ``serve`` would pass them."""
-    from wire.config import PoliciesConfig
-
+    kinds not given (or no JSON at all): the configuration's defaults, the tiered set."""
     try:
-        raw = json.loads(text) if text else PoliciesConfig().worker_selections()
+        raw = json.loads(text) if text else {}
     except json.JSONDecodeError as exc:
         raise ValueError(f"--policies: not JSON: {exc}") from None
     if not isinstance(raw, dict):

@@ -6,7 +6,8 @@
     eviction ─── BlockPool._take()          (which free cached block is reused)
 
 Built from the config's ``[policies]`` selections through ``policies.registry`` (the daemon gets them
-from ``serve`` as JSON); kinds not given keep the baseline (fcfs, static, newest, lru).
+from ``serve`` as JSON); kinds not given get the configuration's defaults (the tiered set). The
+Python API's engine, built without policies, runs the baseline (fcfs, static, newest, lru).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from policies.eviction import Lru, PriorityWeighted, PriorityWeightedParams
 from policies.ordering import Fcfs, Tiered, TieredParams
 from policies.preemption import LowestTier, Newest
 from policies.registry import load_policy
-from wire.config import WORKER_POLICY_KINDS
+from wire.config import WORKER_POLICY_KINDS, PoliciesConfig
 
 WORKER_KINDS = WORKER_POLICY_KINDS
 
@@ -57,7 +58,9 @@ class WorkerPolicies:
         if unknown:
             raise ValueError(f"not worker policy kinds: {sorted(unknown)} (known: {', '.join(WORKER_KINDS)})")
         chosen = cls.baseline()
-        for kind, selection in selections.items():
+        defaults = PoliciesConfig().worker_selections()
+        for kind in WORKER_KINDS:
+            selection = selections.get(kind) or defaults[kind]
             policy = load_policy(
                 kind,  # type: ignore[arg-type]  # checked against WORKER_KINDS above
                 str(selection["name"]),
