@@ -2,7 +2,9 @@
 
 A real ``tierserve serve --mock 1`` whose worker runs one sequence at a time (``max_num_seqs = 1``,
 ``max_in_flight_factor = 1``): a long standard stream holds the only seat while the test queues and
-sheds around it, watching the gateway's own ``/metrics``.
+sheds around it, watching the gateway's own ``/metrics``. An interactive request does not wait for
+the standard one's seat: it goes into the overflow and takes the worker's slot (the standard stream
+pauses and resumes, its text unchanged); the next interactive one queues, the one after is shed.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ max_queue = 4
 sheddable = true
 """
 HOLD_TOKENS = 400  # ~2 s of 5 ms mock steps: the seat stays taken while the test works around it
+URGENT_TOKENS = 100  # ~0.5 s: it still runs while the next interactive request arrives
 DEADLINE_S = 60.0
 
 
@@ -106,45 +109,43 @@ def test_queue_then_shed_with_retry_after_sheddable_first(server: Server) -> Non
 
             holder = asyncio.create_task(hold())
             await first_chunk.wait()
+            interactive = {"x-sla-tier": "interactive"}
             urgent = asyncio.create_task(
-                client.post(
-                    "/v1/chat/completions", json=body("urgent", 5), headers={"x-sla-tier": "interactive"}
-                )
+                client.post("/v1/chat/completions", json=body("urgent", URGENT_TOKENS), headers=interactive)
+            )
+            await wait_for_metric(client, "tierserve_admission_seats_in_use", 2)  # into the overflow
+            queued = asyncio.create_task(
+                client.post("/v1/chat/completions", json=body("queued", 5), headers=interactive)
             )
             queue = "tierserve_admission_queue_length"
             await wait_for_metric(client, queue, 1, tier="interactive")
-
-            shed = await client.post(
-                "/v1/chat/completions", json=body("no room", 5), headers={"x-sla-tier": "interactive"}
-            )
+            shed = await client.post("/v1/chat/completions", json=body("no room", 5), headers=interactive)
             assert shed.status_code == 429, shed.text
             assert shed.json()["error"]["code"] == "overloaded"
             assert int(shed.headers["retry-after"]) >= 1
-
             # Batch is refused at once while an interactive request waits, though its own queue is empty.
             batch = await client.post(
                 "/v1/chat/completions", json=body("batch", 5), headers={"x-sla-tier": "batch"}
             )
             assert batch.status_code == 429 and "more urgent" in batch.json()["error"]["message"]
-
             # A queued client that gives up leaves the queue (standard's queue of one is free again).
             with pytest.raises(httpx.ReadTimeout):
                 await client.post("/v1/chat/completions", json=body("impatient", 5), timeout=0.5)
             await wait_for_metric(client, queue, 0, tier="standard")
-
             held = await holder
-            served = await urgent
-            assert served.status_code == 200, served.text
-            assert served.headers["x-sla-tier"] == "interactive"
-            assert held == expected_text(chat_ids("hold"), HOLD_TOKENS)
-            assert served.json()["choices"][0]["message"]["content"] == expected_text(chat_ids("urgent"), 5)
-
+            for answer, text, n in ((await urgent, "urgent", URGENT_TOKENS), (await queued, "queued", 5)):
+                assert answer.status_code == 200, answer.text
+                assert answer.headers["x-sla-tier"] == "interactive"
+                assert answer.json()["choices"][0]["message"]["content"] == expected_text(chat_ids(text), n)
+            assert held == expected_text(
+                chat_ids("hold"), HOLD_TOKENS
+            )  # preempted and resumed: the same text
             text = (await client.get("/metrics")).text
             assert metric(text, "tierserve_shed_total", tier="interactive") == 1
             assert metric(text, "tierserve_shed_total", tier="batch") == 1
             assert metric(text, "tierserve_requests_total", tier="interactive", status="429") == 1
-            assert metric(text, "tierserve_requests_total", tier="interactive", status="200") == 1
-            assert metric(text, "tierserve_queue_time_seconds_count", tier="interactive") == 1
+            assert metric(text, "tierserve_requests_total", tier="interactive", status="200") == 2
+            assert metric(text, "tierserve_queue_time_seconds_count", tier="interactive") == 2
             assert metric(text, "tierserve_admission_seats_in_use") == 0
 
     asyncio.run(main())

@@ -219,8 +219,9 @@ def test_tiered_policies_preempting_and_evicting_do_not_change_output(
         EngineConfig(model=str(model_path), dtype="float32", num_kv_blocks=num_blocks), policies
     )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP)
-    # A TPOT target below any step: the budget caps steps at twice the one-decode step, so it bites.
-    tiers = [TierRef("interactive", 0, ttft_ms=1000.0, tpot_ms=0.1), TierRef("batch", 2)]
+    # A TPOT target about one float32 step here: steps are capped near two decode steps (the
+    # budget's floor), so batch decodes sit steps out, while the cache still fills enough to preempt.
+    tiers = [TierRef("interactive", 0, ttft_ms=1000.0, tpot_ms=20.0), TierRef("batch", 2)]
     ids = [engine.add_request(p, params, tier=tiers[i % 2]) for i, p in enumerate(prompt_ids)]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     top: dict[str, list[list[int]]] = {i: [] for i in ids}
