@@ -15,8 +15,9 @@ other requests keep decoding in the same step. Each step:
   3. when a running request needs a block and none is free, the preemption policy picks a victim
      among the running (possibly the request itself): its blocks are freed (full ones stay cached)
      and it is recomputed later; once anyone was preempted, nobody else is admitted this step;
-  4. when every sequence slot is taken, a waiting request may take the slot of a running request
-     of a less urgent tier, the preemption policy choosing the victim (or that the request waits).
+  4. when every sequence slot is taken or the blocks run out, a waiting request may take the slot
+     or the blocks of running requests of less urgent tiers, the preemption policy choosing each
+     victim (or that the request waits).
 
 Under ``fcfs`` running requests arrived before waiting ones (but for the preempted), so this is
 "running first"; under ``tiered`` a waiting interactive request goes before running batch decodes,
@@ -193,16 +194,15 @@ class Scheduler:
     def _admit(
         self, request: Request, budget: int, out: SchedulerOutput, clock: _StepClock | None
     ) -> int | None:
-        """Admit a waiting request with its prefix hits; the tokens scheduled (net of any a slot's
-        victim gives back), 0 if it must wait for a sequence slot or for time in a later step, None
-        if the blocks ran out.
+        """Admit a waiting request with its prefix hits; the tokens scheduled (net of any its victims
+        give back), 0 if it must wait for a sequence slot or for time in a later step, None if the
+        blocks ran out.
 
-        With every sequence slot taken, a request may take the slot of a running request of a less
-        urgent tier: the preemption policy chooses among those and the request itself (choosing it
-        means it waits)."""
+        With every sequence slot taken, or too few free blocks, a request may take the slot or the
+        blocks of running requests of less urgent tiers: the preemption policy chooses among those
+        and the request itself (choosing it means it waits)."""
         is_full = len(self.running) >= self.config.max_num_seqs
-        less_urgent = [r for r in self.running if r.tier_rank > request.tier_rank] if is_full else []
-        if is_full and not less_urgent:
+        if is_full and not any(r.tier_rank > request.tier_rank for r in self.running):
             return 0
         hits = self.kv_cache.get_computed_blocks(request)
         num_before = request.num_computed_tokens + len(hits) * self.kv_cache.block_size
@@ -213,15 +213,15 @@ class Scheduler:
                 return 0
         returned = 0
         if is_full:
-            victim = self.requests[self.policies.preemption.victim([*less_urgent, request]).request_id]
-            if victim is request:
+            given = self._give_way(request, out)
+            if given is None:
                 return 0
-            assert victim in less_urgent, f"the preemption policy chose {victim.request_id}, not a candidate"
-            self._preempt(victim, out)
-            self.running.remove(victim)
-            returned = out.num_scheduled_tokens.pop(victim.request_id, 0)
-        if not self.kv_cache.allocate_slots(request, num_new, hits):
-            return None
+            returned += given
+        while not self.kv_cache.allocate_slots(request, num_new, hits):
+            given = self._give_way(request, out)
+            if given is None:
+                return None
+            returned += given
         if clock is not None:
             clock.charge(num_new, num_before)
         if request.status is RequestStatus.WAITING:
@@ -231,6 +231,23 @@ class Scheduler:
         self.running.append(request)
         out.num_scheduled_tokens[request.request_id] = num_new
         return num_new - returned
+
+    def _give_way(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Preempt a running request of a less urgent tier for waiting ``request``, as the preemption
+        policy chooses; the tokens the victim had been given this step, or None when there is no such
+        request or the policy chose ``request`` itself (it waits)."""
+        less_urgent = [
+            r for r in self.running if r.status is RequestStatus.RUNNING and r.tier_rank > request.tier_rank
+        ]
+        if not less_urgent:
+            return None
+        victim = self.requests[self.policies.preemption.victim([*less_urgent, request]).request_id]
+        if victim is request:
+            return None
+        assert victim in less_urgent, f"the preemption policy chose {victim.request_id}, not a candidate"
+        self._preempt(victim, out)
+        self.running.remove(victim)
+        return out.num_scheduled_tokens.pop(victim.request_id, 0)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(request)

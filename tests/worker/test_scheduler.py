@@ -238,3 +238,23 @@ def test_a_more_urgent_request_takes_the_slot_of_a_less_urgent_one() -> None:
     scheduler.add(urgent)
     out = run_step(scheduler)
     assert out.num_scheduled_tokens == {"batch": 1} and not out.preempted
+
+
+def test_a_more_urgent_request_takes_the_blocks_of_a_less_urgent_one() -> None:
+    # 10 blocks of 4 tokens: two batch requests hold 8 of them; the urgent one needs 3 for its prompt.
+    scheduler = Scheduler(SchedulerConfig(256, 8), KVCacheManager(10, 4), WorkerPolicies.tiered())
+    for i in range(2):
+        batch = make_request(f"batch{i}", 15, max_tokens=20, arrival=i)
+        batch.tier = TierRef("batch", 2)
+        scheduler.add(batch)
+    run_step(scheduler)
+    urgent = make_request("urgent", 12, max_tokens=2, arrival=5)
+    urgent.tier = TierRef("interactive", 0)
+    scheduler.add(urgent)
+    out = run_step(scheduler)
+    assert "urgent" in out.num_scheduled_tokens and [r.request_id for r in out.preempted] == ["batch1"]
+    for _ in range(200):
+        if not scheduler.num_unfinished:
+            break
+        run_step(scheduler)
+    assert not scheduler.requests  # the victim was recomputed and finished
