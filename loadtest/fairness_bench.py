@@ -37,6 +37,7 @@ from pathlib import Path
 from loadtest.arrivals import ArrivalKind, ArrivalSpec
 from loadtest.client import RequestOptions, Target
 from loadtest.failover_bench import metric, num_ready, scrape, wait_for
+from loadtest.figures import fmt, ratio, rounded
 from loadtest.launch import ROOT, Server, log_tail, running_server, stop_server
 from loadtest.metrics import GroupSummary, summarize
 from loadtest.prompt_text import load_tokenizer
@@ -118,12 +119,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         light_target = Target("base", gw_b.base_url, model, ServerConfig().default_tier)
         heavy_target = Target("base", gw_a.base_url, model, ServerConfig().default_tier)
         alone = _summary(asyncio.run(_light(light_target, light_work, args)).records)
-        progress(f"alone: light TTFT p99 {_fmt(alone.ttft_ms.p99)} ms over {alone.num_ok} requests")
+        progress(f"alone: light TTFT p99 {fmt(alone.ttft_ms.p99)} ms over {alone.num_ok} requests")
         flood_light, heavy = asyncio.run(
             _flooded(light_target, heavy_target, light_work, heavy_work, gw_b, args)
         )
         flood = _summary(flood_light.records)
-        progress(f"flood: light TTFT p99 {_fmt(flood.ttft_ms.p99)} ms over {flood.num_ok} requests")
+        progress(f"flood: light TTFT p99 {fmt(flood.ttft_ms.p99)} ms over {flood.num_ok} requests")
         preemptions = int(metric(scrape(gw_b.base_url), "tierserve_worker_preemptions_total"))
     figures: dict[str, object] = {
         "scenario": "fairness",
@@ -158,11 +159,11 @@ def fairness_figures(alone: GroupSummary, flood: GroupSummary, heavy: GroupSumma
         "light_completed_alone": alone.num_ok,
         "light_completed_flood": flood.num_ok,
         "light_failed": alone.num_requests - alone.num_ok + flood.num_requests - flood.num_ok,
-        "light_ttft_p50_ms_alone": _round(alone.ttft_ms.p50),
-        "light_ttft_p50_ms_flood": _round(flood.ttft_ms.p50),
-        "light_ttft_p99_ms_alone": _round(alone.ttft_ms.p99),
-        "light_ttft_p99_ms_flood": _round(flood.ttft_ms.p99),
-        "fairness_ttft_ratio": _ratio(flood.ttft_ms.p99, alone.ttft_ms.p99),
+        "light_ttft_p50_ms_alone": rounded(alone.ttft_ms.p50),
+        "light_ttft_p50_ms_flood": rounded(flood.ttft_ms.p50),
+        "light_ttft_p99_ms_alone": rounded(alone.ttft_ms.p99),
+        "light_ttft_p99_ms_flood": rounded(flood.ttft_ms.p99),
+        "fairness_ttft_ratio": ratio(flood.ttft_ms.p99, alone.ttft_ms.p99),
         "heavy_completed": heavy.num_ok,
         "heavy_output_tok_s": round(heavy.output_tok_s, 2),
     }
@@ -266,15 +267,3 @@ def _summary(records: Sequence[RequestRecord]) -> GroupSummary:
 
 def _span(bounds: tuple[int, int]) -> str:
     return f"{bounds[0]}-{bounds[1]}"
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else round(a / b, 3)
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f}"

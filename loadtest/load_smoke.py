@@ -19,6 +19,7 @@ from pathlib import Path
 
 from loadtest.arrivals import ArrivalKind, ArrivalSpec
 from loadtest.client import RequestOptions, Target
+from loadtest.figures import rounded
 from loadtest.launch import log_tail, running_server
 from loadtest.metrics import summarize
 from loadtest.prompt_text import load_tokenizer
@@ -75,17 +76,13 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "duration_s": round(duration, 3),
         "request_s": round(overall.request_s, 3),
         "output_tok_s": round(overall.output_tok_s, 2),
-        "ttft_p50_ms": _round(overall.ttft_ms.p50),
-        "ttft_p99_ms": _round(overall.ttft_ms.p99),
-        "tpot_p50_ms": _round(tpot_p50),
-        "tpot_p99_ms": _round(overall.tpot_ms.p99),
-        "itl_p50_ms": _round(overall.itl_ms.p50),
-        "tpot_over_step_ratio": _round(tpot_p50 / MOCK_STEP_MS if tpot_p50 is not None else None),
-        "slo_attainment": {name: _round(g.slo_attainment) for name, g in summary.tiers.items()},
+        "ttft_p50_ms": rounded(overall.ttft_ms.p50),
+        "ttft_p99_ms": rounded(overall.ttft_ms.p99),
+        "tpot_p50_ms": rounded(tpot_p50),
+        "tpot_p99_ms": rounded(overall.tpot_ms.p99),
+        "itl_p50_ms": rounded(overall.itl_ms.p50),
+        "tpot_over_step_ratio": rounded(tpot_p50 / MOCK_STEP_MS if tpot_p50 is not None else None),
+        "slo_attainment": {name: rounded(g.slo_attainment) for name, g in summary.tiers.items()},
         "goodput_req_s": round(overall.goodput_req_s, 3),
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)

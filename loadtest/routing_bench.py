@@ -54,6 +54,7 @@ import httpx
 from loadtest.arrivals import ArrivalSpec
 from loadtest.client import RequestOptions, Target
 from loadtest.failover_bench import metric, num_ready, scrape, wait_for
+from loadtest.figures import fmt, ratio, rounded
 from loadtest.launch import Server, log_tail, running_server
 from loadtest.metrics import GroupSummary, summarize
 from loadtest.prompt_text import PromptTokenizer, load_tokenizer
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                 raise
             s = results[side].summary
             progress(
-                f"{side} ({policy}): TTFT p50 {_fmt(s.ttft_ms.p50)} ms, {s.output_tok_s:.1f} tok/s, "
+                f"{side} ({policy}): TTFT p50 {fmt(s.ttft_ms.p50)} ms, {s.output_tok_s:.1f} tok/s, "
                 f"cached {s.num_cached_tokens}/{s.num_prompt_tokens} prompt tokens, {s.num_ok} ok"
             )
     figures = _figures(args, model, tokenizer, results, workload)
@@ -319,21 +320,21 @@ def _figures(
     for side, result in results.items():
         figures[f"completed_{side}"] = result.summary.num_ok
     for side, result in results.items():
-        figures[f"ttft_p50_{side}"] = _round(result.summary.ttft_ms.p50)
-    figures["ttft_ratio"] = _ratio(prefix.summary.ttft_ms.p50, rr.summary.ttft_ms.p50)
+        figures[f"ttft_p50_{side}"] = rounded(result.summary.ttft_ms.p50)
+    figures["ttft_ratio"] = ratio(prefix.summary.ttft_ms.p50, rr.summary.ttft_ms.p50)
     for side, result in results.items():
-        figures[f"ttft_p90_{side}"] = _round(result.summary.ttft_ms.p90)
+        figures[f"ttft_p90_{side}"] = rounded(result.summary.ttft_ms.p90)
     for side, result in results.items():
         s = result.summary
-        figures[f"hit_rate_{side}"] = _round(
+        figures[f"hit_rate_{side}"] = rounded(
             s.num_cached_tokens / s.num_prompt_tokens if s.num_prompt_tokens else None
         )
     for side, result in results.items():
         hits = request_hits(result.records, workload, tokenizer)
-        figures[f"request_hit_rate_{side}"] = _round(sum(hits) / len(hits) if hits else None)
+        figures[f"request_hit_rate_{side}"] = rounded(sum(hits) / len(hits) if hits else None)
     for side, result in results.items():
         figures[f"output_tok_s_{side}"] = round(result.summary.output_tok_s, 2)
-    figures["throughput_ratio"] = _ratio(prefix.summary.output_tok_s, rr.summary.output_tok_s)
+    figures["throughput_ratio"] = ratio(prefix.summary.output_tok_s, rr.summary.output_tok_s)
     for side, result in results.items():
         figures[f"prompt_tokens_{side}"] = result.summary.num_prompt_tokens
         figures[f"cached_tokens_{side}"] = result.summary.num_cached_tokens
@@ -359,15 +360,3 @@ def _figures(
 
 def _group_key(label: str) -> int:
     return int(label[1:])
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else round(a / b, 3)
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f}"

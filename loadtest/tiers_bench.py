@@ -32,6 +32,7 @@ from pathlib import Path
 
 from loadtest.arrivals import ArrivalKind, ArrivalSpec
 from loadtest.client import RequestOptions, Target
+from loadtest.figures import fmt, rounded
 from loadtest.launch import Server, log_tail, running_server
 from loadtest.metrics import RunSummary, percentile, summarize, tpot_s
 from loadtest.prompt_text import load_tokenizer
@@ -98,9 +99,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                 result = _load(server, args, rate, args.probe_s, seed=args.seed + 1000 + i, config=config)
                 p99 = result.interactive_tpot_p99_ms()
                 ok = p99 is not None and p99 <= target_tpot
-                probes.append({"rate": rate, "interactive_tpot_p99_ms": _round(p99), "within": ok})
+                probes.append({"rate": rate, "interactive_tpot_p99_ms": rounded(p99), "within": ok})
                 progress(
-                    f"probe {rate:g} req/s: interactive TPOT p99 {_fmt(p99)} ms → {'ok' if ok else 'over'}"
+                    f"probe {rate:g} req/s: interactive TPOT p99 {fmt(p99)} ms → {'ok' if ok else 'over'}"
                 )
                 if not ok:
                     break
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     server, args, rate * factor, args.duration, seed=args.seed, config=config
                 )
             tok_s = results[name].summary.overall.output_tok_s
-            progress(f"{name}: {tok_s:.1f} tok/s, interactive attainment {_fmt(_attainment(results[name]))}")
+            progress(f"{name}: {tok_s:.1f} tok/s, interactive attainment {fmt(_attainment(results[name]))}")
     fcfs, tiered = results["fcfs"], results["tiered"]
     throughput = {name: r.summary.overall.output_tok_s for name, r in results.items()}
     figures: dict[str, object] = {
@@ -134,20 +135,22 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "rate_4x": rate * 2,
         "duration_s": args.duration,
         "num_requests": len(tiered.records),
-        "interactive_attainment_fcfs": _round(_attainment(fcfs)),
-        "interactive_attainment_tiered": _round(_attainment(tiered)),
-        "interactive_attainment_tiered_4x": _round(_attainment(results["tiered_4x"])),
-        "interactive_tpot_p99_ms_fcfs": _round(fcfs.interactive_tpot_p99_ms()),
-        "interactive_tpot_p99_ms_tiered": _round(tiered.interactive_tpot_p99_ms()),
+        "interactive_attainment_fcfs": rounded(_attainment(fcfs)),
+        "interactive_attainment_tiered": rounded(_attainment(tiered)),
+        "interactive_attainment_tiered_4x": rounded(_attainment(results["tiered_4x"])),
+        "interactive_tpot_p99_ms_fcfs": rounded(fcfs.interactive_tpot_p99_ms()),
+        "interactive_tpot_p99_ms_tiered": rounded(tiered.interactive_tpot_p99_ms()),
         "throughput_tok_s_fcfs": round(throughput["fcfs"], 2),
         "throughput_tok_s_tiered": round(throughput["tiered"], 2),
         "throughput_tok_s_tiered_4x": round(throughput["tiered_4x"], 2),
-        "throughput_ratio": _round(throughput["tiered"] / throughput["fcfs"] if throughput["fcfs"] else None),
-        "batch_shed_fraction": _round(batch_shed_fraction(tiered.records)),
-        "batch_shed_fraction_4x": _round(batch_shed_fraction(results["tiered_4x"].records)),
+        "throughput_ratio": rounded(
+            throughput["tiered"] / throughput["fcfs"] if throughput["fcfs"] else None
+        ),
+        "batch_shed_fraction": rounded(batch_shed_fraction(tiered.records)),
+        "batch_shed_fraction_4x": rounded(batch_shed_fraction(results["tiered_4x"].records)),
         "interactive_shed_4x": _num_shed(results["tiered_4x"].records, "interactive"),
-        "batch_completed_or_shed_fraction": _round(batch_completed_or_shed(tiered.records)),
-        "batch_completed_or_shed_fraction_fcfs": _round(batch_completed_or_shed(fcfs.records)),
+        "batch_completed_or_shed_fraction": rounded(batch_completed_or_shed(tiered.records)),
+        "batch_completed_or_shed_fraction_fcfs": rounded(batch_completed_or_shed(fcfs.records)),
         "batch_shed_tiered": _num_shed(tiered.records, "batch"),
         "per_tier": {name: _per_tier(result) for name, result in results.items()},
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -164,9 +167,9 @@ def _per_tier(result: SetResult) -> dict[str, dict[str, float | None]]:
     """TTFT and TPOT p99 (ms) and SLO attainment of each tier in one run."""
     return {
         name: {
-            "ttft_p99_ms": _round(group.ttft_ms.p99),
-            "tpot_p99_ms": _round(group.tpot_ms.p99),
-            "slo_attainment": _round(group.slo_attainment),
+            "ttft_p99_ms": rounded(group.ttft_ms.p99),
+            "tpot_p99_ms": rounded(group.tpot_ms.p99),
+            "slo_attainment": rounded(group.slo_attainment),
             "num_requests": group.num_requests,
         }
         for name, group in result.summary.tiers.items()
@@ -235,11 +238,3 @@ def _load(
     records = result.records
     duration = max(r.t_end for r in records) - min(r.t_sent for r in records) if records else 0.0
     return SetResult(summarize(records, {t.name: t for t in config.tiers}, duration), records)
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f}"
