@@ -42,15 +42,20 @@ MIN_CHUNK_TOKENS = 16  # a chunk a time limit cuts shorter than this waits for t
 
 @dataclass(slots=True)
 class _StepClock:
-    """The predicted time of the step being built, against the budget's limit. Time charged for a
-    request that is later preempted in the same step is not given back (the step only gets shorter)."""
+    """The predicted time of the step being built, against the budget's limit (None: no limit, every
+    request fits). Time charged for a request that is later preempted in the same step is not given
+    back (the step only gets shorter)."""
 
-    limit: StepTimeLimit
-    spent_ms: float
+    limit: StepTimeLimit | None
+    spent_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.limit is not None:
+            self.spent_ms = self.limit.cost.fixed_ms
 
     def allowed(self, num_new: int, context_before: int, is_first: bool) -> int:
         """How many of ``num_new`` tokens after ``context_before`` fit (0: sit this step out)."""
-        if is_first:
+        if is_first or self.limit is None:
             return num_new
         cost, room = self.limit.cost, self.limit.max_ms - self.spent_ms
         if num_new == 1:
@@ -59,6 +64,8 @@ class _StepClock:
         return num_fit if num_fit >= min(num_new, MIN_CHUNK_TOKENS) else 0
 
     def charge(self, num_new: int, context_before: int) -> None:
+        if self.limit is None:
+            return
         cost = self.limit.cost
         if num_new == 1:
             self.spent_ms += cost.decode_ms(context_before + 1)
@@ -140,8 +147,7 @@ class Scheduler:
         step = self.policies.budget.budget(self.running, self.waiting, limits)
         budget = max(1, min(step.max_num_tokens, limits.max_num_batched_tokens))
         max_seqs = max(1, min(step.max_num_seqs, limits.max_num_seqs))
-        limit = step.time_limit
-        clock = _StepClock(limit, limit.cost.fixed_ms) if limit is not None else None
+        clock = _StepClock(step.time_limit)
         admitting = True
         for view in self.policies.ordering.order([*self.running, *self.waiting], self.clock()):
             request = self.requests[view.request_id]
@@ -168,15 +174,14 @@ class Scheduler:
         return out
 
     def _schedule_running(
-        self, request: Request, budget: int, out: SchedulerOutput, clock: _StepClock | None
+        self, request: Request, budget: int, out: SchedulerOutput, clock: _StepClock
     ) -> int:
         """Give a running request its next tokens, preempting until its blocks fit; the tokens used
         (net of budget given back by victims that were already scheduled this step)."""
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if clock is not None:
-            num_new = clock.allowed(num_new, request.num_computed_tokens, not out.num_scheduled_tokens)
-            if num_new == 0:
-                return 0  # sits this step out, keeping its KV
+        num_new = clock.allowed(num_new, request.num_computed_tokens, not out.num_scheduled_tokens)
+        if num_new == 0:
+            return 0  # sits this step out, keeping its KV
         returned = 0
         while not self.kv_cache.allocate_slots(request, num_new):
             candidates = [r for r in self.running if r.status is RequestStatus.RUNNING]
@@ -186,14 +191,11 @@ class Scheduler:
             returned += out.num_scheduled_tokens.pop(victim.request_id, 0)
             if victim is request:
                 return -returned
-        if clock is not None:
-            clock.charge(num_new, request.num_computed_tokens)
+        clock.charge(num_new, request.num_computed_tokens)
         out.num_scheduled_tokens[request.request_id] = num_new
         return num_new - returned
 
-    def _admit(
-        self, request: Request, budget: int, out: SchedulerOutput, clock: _StepClock | None
-    ) -> int | None:
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput, clock: _StepClock) -> int | None:
         """Admit a waiting request with its prefix hits; the tokens scheduled (net of any its victims
         give back), 0 if it must wait for a sequence slot or for time in a later step, None if the
         blocks ran out.
@@ -207,10 +209,9 @@ class Scheduler:
         hits = self.kv_cache.get_computed_blocks(request)
         num_before = request.num_computed_tokens + len(hits) * self.kv_cache.block_size
         num_new = min(request.num_tokens - num_before, budget)
-        if clock is not None:
-            num_new = clock.allowed(num_new, num_before, not out.num_scheduled_tokens)
-            if num_new == 0:
-                return 0
+        num_new = clock.allowed(num_new, num_before, not out.num_scheduled_tokens)
+        if num_new == 0:
+            return 0
         returned = 0
         if is_full:
             given = self._give_way(request, out)
@@ -222,8 +223,7 @@ class Scheduler:
             if given is None:
                 return None
             returned += given
-        if clock is not None:
-            clock.charge(num_new, num_before)
+        clock.charge(num_new, num_before)
         if request.status is RequestStatus.WAITING:
             request.num_cached_tokens = len(hits) * self.kv_cache.block_size
         request.status = RequestStatus.RUNNING
