@@ -70,6 +70,12 @@ class SeqView(Protocol):
         ...
 
     @property
+    def first_token_time(self) -> float | None:
+        """Monotonic time the first output token was computed (the start of the TPOT clock); None
+        before it. Kept through a preemption."""
+        ...
+
+    @property
     def tenant(self) -> str | None: ...
     @property
     def priority(self) -> int:
@@ -93,10 +99,12 @@ class SeqView(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class StepLimits:
-    """The engine's configured ceilings, which a budget may lower but never raise."""
+    """The engine's configured ceilings, which a budget may lower but never raise, and the
+    scheduler's clock (monotonic seconds, as ``arrival_time`` and ``ttft_deadline``) at this step."""
 
     max_num_batched_tokens: int
     max_num_seqs: int
+    now: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Annotated, ClassVar
 
@@ -35,6 +36,14 @@ class SloBudgetParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # target is that tight (or infeasible on this machine), the tier gets steps as short as
     # this, and the others still progress beside it.
     min_step_factor: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    # With no TPOT target in force (only batch work), steps are still capped at this fraction of
+    # the strictest TTFT target seen so far, so an urgent arrival never waits long behind a batch
+    # prefill. 0: no cap (the ceilings).
+    idle_ttft_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.2
+    # The TTFT target assumed until a request with one is seen (the default interactive tier's):
+    # the worker learns its tiers from its requests, and the first urgent one must not wait
+    # behind a full-size batch step either.
+    assumed_ttft_ms: Annotated[float, msgspec.Meta(gt=0)] = 1000.0
     # Priors of the step-time model (policies.step_time), refined by every step the worker runs.
     fixed_ms: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     per_decode_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.5
@@ -44,16 +53,28 @@ class SloBudgetParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SloBudget:
-    """Caps each step's predicted time so the strictest TPOT target among running and waiting
-    requests holds.
+    """Caps each step's predicted time so the TPOT of every running stream holds, and lets the most
+    urgent first token through as fast as that allows.
 
-    With a target ``T`` (ms) in force the step gets a time limit of ``max(safety·T,
-    min_step_factor·floor)`` (``floor``: a step of one decode, from the fitted model) and the
-    scheduler fills it in the ordering's order: under ``tiered`` the urgent decodes and prefill
-    chunks go in first and only what fits beside them follows (batch decodes sit the step out,
-    keeping their KV; a prefill chunk is shortened). The step's cost is predicted by its
-    composition (decodes, prefill tokens, context), so steps are never cut below what the target
-    allows. No target in force: the configured ceilings. The model learns from every step.
+    TPOT is a stream's mean gap, ``(t_last − t_first) / (n − 1)``, so a stream that has run faster
+    than its target has time in hand: after ``n`` tokens since ``t_first`` the next step may last
+    ``safety·T·n − (now − t_first)`` and the stream still averages ``safety·T`` (a stream behind
+    asks for ``safety·T / 2`` while it catches up). The step's limit is
+
+        max(min_step_factor·floor, min(want, the least time in hand of any running stream))
+
+    where ``want`` is ``safety·T`` for the strictest target ``T`` among running and waiting
+    requests, raised to the whole remaining prefill of the request whose first token is due
+    soonest (its TTFT deadline) beside the streams' decodes: one long step instead of a prompt
+    chunked between 80 ms steps, when the streams can afford it. With no TPOT target in force the
+    limit is ``idle_ttft_fraction`` of the strictest TTFT target seen so far (``assumed_ttft_ms``
+    until one is seen), so batch prefill comes in pieces an urgent arrival does not wait long
+    behind; ``idle_ttft_fraction = 0`` gives such steps the ceilings.
+
+    The scheduler fills a step in the ordering's order up to the limit: under ``tiered`` the urgent
+    decodes and prefill go first, batch decodes that do not fit sit out keeping their KV, a prefill
+    chunk is shortened. Step times are predicted by composition (decodes, prefill tokens, context:
+    policies.step_time), the model learning from every step; ``floor`` is a one-decode step.
     """
 
     kind: ClassVar[str] = "budget"
@@ -65,6 +86,7 @@ class SloBudget:
             params.fixed_ms, params.per_decode_ms, params.per_prefill_token_ms, params.per_context_token_ms
         )
         self.model = StepTimeModel(prior, forget=params.forget)
+        self.strictest_ttft_ms: float | None = None  # over every request seen (None: none yet)
 
     def target_ms(self, running: Sequence[SeqView], waiting: Sequence[SeqView]) -> float | None:
         """The strictest TPOT target in force (ms), None for none."""
@@ -74,15 +96,64 @@ class SloBudget:
     def budget(
         self, running: Sequence[SeqView], waiting: Sequence[SeqView], limits: StepLimits
     ) -> StepBudget:
+        self._remember_ttft((*running, *waiting))
+        ceilings = StepBudget(limits.max_num_batched_tokens, limits.max_num_seqs)
+        cost = self.model.cost
         target = self.target_ms(running, waiting)
         if target is None:
-            return StepBudget(limits.max_num_batched_tokens, limits.max_num_seqs)
-        cost = self.model.cost
-        max_ms = max(self.params.safety * target, self.params.min_step_factor * cost.floor_ms)
-        return StepBudget(limits.max_num_batched_tokens, limits.max_num_seqs, StepTimeLimit(cost, max_ms))
+            if self.params.idle_ttft_fraction == 0:
+                return ceilings
+            ttft_ms = (
+                self.params.assumed_ttft_ms if self.strictest_ttft_ms is None else self.strictest_ttft_ms
+            )
+            want = self.params.idle_ttft_fraction * ttft_ms
+        else:
+            streams = [r for r in running if r.tpot_ms is not None and r.first_token_time is not None]
+            want = min(
+                max(self.params.safety * target, first_token_step_ms(cost, streams, (*running, *waiting))),
+                self.time_in_hand_ms(streams, limits.now),
+            )
+        max_ms = max(self.params.min_step_factor * cost.floor_ms, want)
+        return StepBudget(ceilings.max_num_tokens, ceilings.max_num_seqs, StepTimeLimit(cost, max_ms))
+
+    def time_in_hand_ms(self, streams: Sequence[SeqView], now: float) -> float:
+        """How long the next step may last with every stream's mean gap within ``safety`` of its
+        target (infinite for no stream). A stream behind its target asks for steps of half of it
+        while it catches up, never shorter (one that fell far behind must not hold every step at
+        the floor)."""
+        return min(
+            (
+                max(
+                    self.params.safety * r.tpot_ms * r.num_output_tokens - (now - r.first_token_time) * 1e3,
+                    0.5 * self.params.safety * r.tpot_ms,
+                )
+                for r in streams
+                if r.tpot_ms is not None and r.first_token_time is not None
+            ),
+            default=math.inf,
+        )
 
     def observe(self, report: StepReport) -> None:
         if report.num_tokens > 0:
             self.model.update(
                 report.num_decodes, report.num_prefill_tokens, report.num_context_tokens, report.elapsed_ms
             )
+
+    def _remember_ttft(self, requests: Sequence[SeqView]) -> None:
+        for r in requests:
+            if r.ttft_deadline is not None:
+                ttft_ms = (r.ttft_deadline - r.arrival_time) * 1e3
+                if self.strictest_ttft_ms is None or ttft_ms < self.strictest_ttft_ms:
+                    self.strictest_ttft_ms = ttft_ms
+
+
+def first_token_step_ms(cost: StepCost, streams: Sequence[SeqView], requests: Sequence[SeqView]) -> float:
+    """The predicted step that carries ``streams``' decodes and the whole remaining prefill of the
+    request among ``requests`` whose first token is due soonest (0 when none is due)."""
+    due = [r for r in requests if r.ttft_deadline is not None and r.first_token_time is None]
+    if not due:
+        return 0.0
+    first = min(due, key=lambda r: (r.ttft_deadline, r.arrival_time))
+    decodes = sum(cost.decode_ms(r.num_tokens + 1) for r in streams)
+    prefill = cost.chunk_ms(max(1, first.num_tokens - first.num_computed_tokens), first.num_computed_tokens)
+    return cost.fixed_ms + decodes + prefill

@@ -58,7 +58,8 @@ class StepCost:
 
 @dataclass(frozen=True, slots=True)
 class StepTimeLimit:
-    """A ceiling on one step's predicted time. The step's first request always runs (progress)."""
+    """A ceiling on one step's predicted time. The step's first request always runs (progress; a
+    prefill chunk of it is still cut to fit, to no less than the scheduler's minimum chunk)."""
 
     cost: StepCost
     max_ms: float

@@ -17,7 +17,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from policies.base import EvictionCandidate, EvictionPolicy, StepBudget, StepLimits
+from policies.base import EvictionCandidate, EvictionPolicy, StepBudget
 from wire.tier import Tier
 
 
@@ -92,10 +92,6 @@ class SimConfig:
             raise ValueError(f"kv_capacity_tokens must be at least 1, got {self.kv_capacity_tokens}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-
-    @property
-    def limits(self) -> StepLimits:
-        return StepLimits(self.max_num_batched_tokens, self.max_num_seqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +185,10 @@ class SimSeq:
     def ttft_deadline(self) -> float | None:
         ttft_ms = self._spec.tier.ttft_ms
         return None if ttft_ms is None else self._spec.arrival_time + ttft_ms / 1e3
+
+    @property
+    def first_token_time(self) -> float | None:
+        return None  # a request made by hand has produced nothing yet
 
     @property
     def tenant(self) -> str | None:

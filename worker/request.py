@@ -63,6 +63,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
+    first_token_time: float | None = None  # the scheduler's clock when the first token was due
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     blocks: list[KVBlock] = field(default_factory=list)  # owned, in block-table order (kv_cache/)

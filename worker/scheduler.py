@@ -11,7 +11,8 @@ other requests keep decoding in the same step. Each step:
      admitted (prefix hits first) while blocks and budget last; requests that do not fit wait, a
      running one keeping its KV. Under a time limit a decode that would overrun it sits the step
      out and a prefill chunk is shortened to fit (never below ``MIN_CHUNK_TOKENS`` unless that is
-     all it has left); the step's first request always runs;
+     all it has left); the step's first request always runs (its prefill chunk cut to the limit
+     too, to no less than ``MIN_CHUNK_TOKENS``);
   3. when a running request needs a block and none is free, the preemption policy picks a victim
      among the running (possibly the request itself): its blocks are freed (full ones stay cached)
      and it is recomputed later; once anyone was preempted, nobody else is admitted this step;
@@ -55,13 +56,16 @@ class _StepClock:
 
     def allowed(self, num_new: int, context_before: int, is_first: bool) -> int:
         """How many of ``num_new`` tokens after ``context_before`` fit (0: sit this step out)."""
-        if is_first or self.limit is None:
+        if self.limit is None:
             return num_new
         cost, room = self.limit.cost, self.limit.max_ms - self.spent_ms
         if num_new == 1:
-            return 1 if cost.decode_ms(context_before + 1) <= room else 0
+            return 1 if is_first or cost.decode_ms(context_before + 1) <= room else 0
         num_fit = min(num_new, cost.chunk_tokens_within(room, context_before))
-        return num_fit if num_fit >= min(num_new, MIN_CHUNK_TOKENS) else 0
+        least = min(num_new, MIN_CHUNK_TOKENS)
+        if is_first:  # it runs, but a prefill chunk is still cut to the limit
+            return max(num_fit, least)
+        return num_fit if num_fit >= least else 0
 
     def charge(self, num_new: int, context_before: int) -> None:
         if self.limit is None:
@@ -143,7 +147,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        limits = StepLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        limits = StepLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.clock())
         step = self.policies.budget.budget(self.running, self.waiting, limits)
         budget = max(1, min(step.max_num_tokens, limits.max_num_batched_tokens))
         max_seqs = max(1, min(step.max_num_seqs, limits.max_num_seqs))
@@ -261,11 +265,17 @@ class Scheduler:
     def postprocess(self, out: SchedulerOutput) -> list[Request]:
         """After the runner computed the step: advance each scheduled request's counters and publish
         its newly full blocks; returns the requests that now need a token (their computed tokens
-        reached their tokens: a decode, or a prefill's last chunk), in ``out.scheduled`` order."""
+        reached their tokens: a decode, or a prefill's last chunk), in ``out.scheduled`` order. A
+        request's first such step starts its TPOT clock (``first_token_time``)."""
         for request in out.scheduled:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
             self.kv_cache.cache_computed_blocks(request)
-        return [r for r in out.scheduled if r.num_computed_tokens == r.num_tokens]
+        sampled = [r for r in out.scheduled if r.num_computed_tokens == r.num_tokens]
+        now = self.clock()
+        for request in sampled:
+            if request.first_token_time is None:
+                request.first_token_time = now
+        return sampled
 
     def check_integrity(self) -> None:
         """The KV cache's invariants over every live request (tests call it after steps)."""

@@ -1,19 +1,12 @@
-"""Triton kernels run on CUDA when there is a device, else under Triton's CPU interpreter.
-
-``TRITON_INTERPRET`` is read when a kernel is decorated, i.e. when ``kernels.triton_ops`` is first
-imported, so it is set here, before any test module imports it.
-"""
+"""Triton kernels run on CUDA when there is a device, else under Triton's CPU interpreter (which
+tests/conftest.py switches on for the whole suite)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ from policies.ordering import Fcfs, Tiered, TieredParams
 from policies.preemption import LowestTier, Newest
 from policies.step_time import StepCost, StepTimeModel
 from tests.policies.views import View, views
-from tierserve.testing import CostModel, SimConfig, SimRequest, poisson_workload, simulate
+from tierserve.testing import CostModel, SimConfig, SimRequest, SimResult, poisson_workload, simulate
 from wire.tier import DEFAULT_TIERS
 
 INTERACTIVE, _, BATCH = DEFAULT_TIERS
-limits_st = st.builds(StepLimits, st.integers(1, 8192), st.integers(1, 256))
+limits_st = st.builds(StepLimits, st.integers(1, 8192), st.integers(1, 256), st.floats(0, 2000))
 reports_st = st.lists(
     st.builds(
         StepReport,
@@ -41,7 +41,7 @@ def test_static_is_the_limits(running: list[View], waiting: list[View], limits: 
 
 
 @given(views(), views(), limits_st, st.floats(0.05, 1.0), st.floats(1.0, 4.0), reports_st)
-def test_slo_budget_keeps_the_limits_and_sets_a_time_limit_only_under_a_target(
+def test_slo_budget_keeps_the_limits_and_every_stream_s_time_in_hand(
     running: list[View],
     waiting: list[View],
     limits: StepLimits,
@@ -57,20 +57,30 @@ def test_slo_budget_keeps_the_limits_and_sets_a_time_limit_only_under_a_target(
         limits.max_num_batched_tokens,
         limits.max_num_seqs,
     )
+    floor = factor * policy.model.cost.floor_ms
     targets = [r.tpot_ms for r in (*running, *waiting) if r.tpot_ms is not None]
     if not targets:
-        assert budget.time_limit is None
+        ttfts = [
+            r.ttft_deadline - r.arrival_time for r in (*running, *waiting) if r.ttft_deadline is not None
+        ]
+        # batch work in pieces of a fifth of the strictest TTFT (1 s assumed until one is seen)
+        assert budget.time_limit is not None
+        strictest = min(ttfts) * 1e3 if ttfts else 1000.0
+        assert budget.time_limit.max_ms == pytest.approx(max(floor, 0.2 * strictest))
         return
     assert budget.time_limit is not None
-    floor = budget.time_limit.cost.floor_ms
-    assert budget.time_limit.max_ms == pytest.approx(max(safety * min(targets), factor * floor))
-    assert budget.time_limit.max_ms >= factor * floor  # never cut below what a step needs
+    max_ms = budget.time_limit.max_ms
+    assert max_ms >= floor - 1e-9  # never cut below what a step needs
+    streams = [r for r in running if r.tpot_ms is not None and r.first_token_time is not None]
+    in_hand = policy.time_in_hand_ms(streams, limits.now)
+    assert max_ms <= max(floor, in_hand) + 1e-9  # every running stream keeps its TPOT, when it can
+    assert max_ms >= min(safety * min(targets), in_hand) - 1e-9  # and the target's allowance is kept
 
 
 def test_slo_budget_aims_at_the_strictest_target_and_never_below_twice_the_floor() -> None:
     params = SloBudgetParams(safety=0.8, fixed_ms=10.0, per_decode_ms=1.0)
     policy = SloBudget(params)
-    limits = StepLimits(4096, 64)
+    limits = StepLimits(4096, 64, now=0.0)
     running = [View("r", tpot_ms=100.0)]
     limit = policy.budget(running, [View("w", tpot_ms=50.0)], limits).time_limit
     assert limit is not None and limit.max_ms == pytest.approx(40.0)  # waiting requests count
@@ -78,6 +88,43 @@ def test_slo_budget_aims_at_the_strictest_target_and_never_below_twice_the_floor
     # A target this machine cannot meet even alone: steps of twice the one-decode step (22 ms).
     limit = policy.budget([View("r", tpot_ms=5.0)], [], limits).time_limit
     assert limit is not None and limit.max_ms == pytest.approx(2 * 11.0)
+
+
+def test_a_due_first_token_gets_one_long_step_when_the_streams_have_time_in_hand() -> None:
+    # Costs: fixed 10, decode 1, prefill 0.5 per token, no context term.
+    params = SloBudgetParams(safety=0.8, fixed_ms=10.0, per_decode_ms=1.0, per_context_token_ms=0.0)
+    policy = SloBudget(params)
+    prompt = View(
+        "p", tier_rank=0, tpot_ms=100.0, ttft_deadline=11.0, arrival_time=10.0, num_prompt_tokens=400
+    )
+    # A stream 10 tokens in, 0.5 s after its first token: 0.8 · 100 · 10 − 500 = 300 ms in hand.
+    stream = View("s", tier_rank=0, tpot_ms=100.0, first_token_time=10.0, num_output_tokens=10)
+    limit = policy.budget([stream], [prompt], StepLimits(4096, 64, now=10.5)).time_limit
+    # the whole prompt beside the stream's decode: 10 + 1 + 0.5 · 400 = 211 ms, within the 300
+    assert limit is not None and limit.max_ms == pytest.approx(211.0)
+    # A stream that has just started has 80 ms in hand: the prompt is chunked within it.
+    fresh = View("f", tier_rank=0, tpot_ms=100.0, first_token_time=10.5, num_output_tokens=1)
+    limit = policy.budget([stream, fresh], [prompt], StepLimits(4096, 64, now=10.5)).time_limit
+    assert limit is not None and limit.max_ms == pytest.approx(80.0)
+    # A stream behind its target asks for steps of 40 ms (half of 0.8 · 100) to catch up.
+    late = View("l", tier_rank=0, tpot_ms=100.0, first_token_time=9.0, num_output_tokens=5)
+    limit = policy.budget([late], [], StepLimits(4096, 64, now=10.5)).time_limit
+    assert limit is not None and limit.max_ms == pytest.approx(40.0)
+
+
+def test_batch_steps_come_in_pieces_once_an_urgent_tier_was_seen() -> None:
+    params = SloBudgetParams(fixed_ms=10.0, per_decode_ms=1.0)
+    batch = [View("b", tier_rank=2, num_prompt_tokens=2000)]
+    limits = StepLimits(4096, 64, now=0.0)
+    policy = SloBudget(params)
+    limit = policy.budget(batch, [], limits).time_limit  # no urgent request seen yet: 1 s assumed
+    assert limit is not None and limit.max_ms == pytest.approx(200.0)
+    policy.budget([View("i", tier_rank=0, tpot_ms=100.0, ttft_deadline=0.5)], batch, limits)
+    limit = policy.budget(batch, [], limits).time_limit
+    assert limit is not None and limit.max_ms == pytest.approx(100.0)  # 0.2 · the 0.5 s TTFT seen
+    off = SloBudget(SloBudgetParams(idle_ttft_fraction=0.0))
+    off.budget([View("i", tier_rank=0, tpot_ms=100.0, ttft_deadline=1.0)], batch, limits)
+    assert off.budget(batch, [], limits).time_limit is None
 
 
 def test_step_cost_arithmetic() -> None:
@@ -209,3 +256,36 @@ def test_under_overload_tiered_with_slo_budget_keeps_interactive_tpot_and_fcfs_s
     assert tiered_interactive.tpot_p99_ms <= INTERACTIVE.tpot_ms < fcfs_interactive.tpot_p99_ms
     assert tiered_interactive.slo_attainment >= 0.9 > 0.5 > fcfs_interactive.slo_attainment
     assert tiered.throughput_tok_s >= 0.8 * fcfs.throughput_tok_s
+
+
+def test_an_urgent_arrival_does_not_wait_behind_a_full_size_batch_prefill() -> None:
+    # About this repo's CPU VM on the Q4_1 model: a prefill token or a decode ~1.9 ms, fixed 8.5 ms.
+    # Twenty 500-token batch prompts at t=0 (a 2,048-token step would take ~3.8 s), then one
+    # interactive request (TTFT 1 s) at t=0.5 with a 200-token prompt.
+    cost = CostModel(fixed_ms=8.5, per_token_ms=1.87, per_decode_ms=1.8, per_context_token_ms=0.0)
+    requests = [SimRequest(f"b{i}", 0.0, BATCH, 500, 32) for i in range(20)]
+    requests.append(SimRequest("i", 0.5, INTERACTIVE, 200, 20))
+    priors = {
+        "fixed_ms": 8.5,
+        "per_decode_ms": 1.8,
+        "per_prefill_token_ms": 1.87,
+        "per_context_token_ms": 0.0,
+    }
+
+    def run(idle_ttft_fraction: float) -> SimResult:
+        budget = SloBudget(SloBudgetParams(idle_ttft_fraction=idle_ttft_fraction, **priors))
+        return simulate(requests, ordering=Tiered(TieredParams()), budget=budget, config=SimConfig(cost=cost))
+
+    capped, uncapped = run(0.2), run(0.0)
+    ttft = {
+        name: r.requests["i"].token_times[0] - 0.5 for name, r in (("capped", capped), ("uncapped", uncapped))
+    }
+    assert ttft["uncapped"] > 1.0  # it waited for the 2,048-token step
+    assert ttft["capped"] < 0.7  # at most a 200 ms step, then its whole prompt in one step
+    prefill_steps = [s for s in capped.steps if s.num_scheduled_tokens.get("i", 0) > 1]
+    assert len(prefill_steps) == 1 and prefill_steps[0].num_scheduled_tokens["i"] == 200
+    # batch prefill in pieces: even the step's first request has its chunk cut to the limit
+    others = [s for s in capped.steps if s is not prefill_steps[0]]
+    assert max(s.elapsed_ms for s in others) <= 200.0 + 1e-6
+    assert all(r.finished for r in capped.requests.values())
+    assert capped.throughput_tok_s >= 0.9 * uncapped.throughput_tok_s  # pieces, not a slowdown

@@ -19,6 +19,7 @@ class View:
     tier_name: str = "standard"
     tpot_ms: float | None = None
     ttft_deadline: float | None = None
+    first_token_time: float | None = None
     tenant: str | None = None
     priority: int = 0
     arrival_time: float = 0.0
@@ -50,6 +51,7 @@ def views(draw: st.DrawFn, *, max_size: int = 30) -> list[View]:
                 tier_rank=draw(st.integers(0, 3)),
                 tpot_ms=draw(st.none() | st.floats(1, 1000)),
                 ttft_deadline=draw(st.none() | times),
+                first_token_time=draw(st.none() | times) if output else None,
                 tenant=draw(st.none() | st.sampled_from(["a", "b", "c"])),
                 arrival_time=draw(times),
                 num_prompt_tokens=prompt,

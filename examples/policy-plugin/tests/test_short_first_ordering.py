@@ -29,6 +29,7 @@ class View:
     num_output_tokens: int = 0
     tpot_ms: float | None = None
     ttft_deadline: float | None = None
+    first_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
