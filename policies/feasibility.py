@@ -11,6 +11,8 @@ such a tier on the shortest steps it allows rather than starving the rest. Pure 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -87,7 +89,10 @@ def save_floor(folder: Path, model: str, floor: StepFloor, device_name: str | No
         "prefill_ms_per_token": round(floor.prefill_ms_per_token, 4),
         "measured_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
-    tmp = path.with_suffix(".tmp")
+    # Several workers of one model start together: each writes its own temporary file, and the
+    # last rename wins (one shared temporary name let one worker's rename pull the file from
+    # under another's, which then failed to start).
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     tmp.write_text(json.dumps(record) + "\n")
     tmp.replace(path)
     return path

@@ -300,7 +300,10 @@ def _worker(args: argparse.Namespace) -> int:
         )
         if step_floor is not None:
             device = describe_device(engine.runner.device)
-            save_floor(step_floors_dir(), daemon.model_name, step_floor, device.name)
+            try:
+                save_floor(step_floors_dir(), daemon.model_name, step_floor, device.name)
+            except OSError as exc:  # only `tierserve config show` reads it: never a reason not to serve
+                logging.getLogger(__name__).warning("could not save the step floor: %s", exc)
         return daemon.run()
     finally:
         telemetry.shutdown()  # flush the last spans before the process goes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from policies.feasibility import FEASIBILITY_PROMPT_TOKENS, StepFloor, assess, read_floor, save_floor
@@ -40,3 +41,13 @@ def test_a_saved_floor_reads_back_and_a_missing_or_broken_one_is_none(tmp_path: 
     assert read_floor(tmp_path, "other") is None
     path.write_text("{not json")
     assert read_floor(tmp_path, "org/model:v1") is None
+
+
+def test_workers_of_one_model_saving_at_once_all_succeed(tmp_path: Path) -> None:
+    """serve starts a pool's workers together; each saves its floor (this raced once: a shared
+    temporary name made one worker's rename fail, and that worker did not start)."""
+    floors = [StepFloor(5.0 + i, 0.02) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        paths = list(pool.map(lambda f: save_floor(tmp_path, "mock", f, "cpu"), floors))
+    assert len(set(paths)) == 1 and read_floor(tmp_path, "mock") is not None
+    assert [p.name for p in tmp_path.iterdir()] == ["mock.json"]  # no temporary file left behind
