@@ -205,9 +205,14 @@ def test_under_a_time_limit_a_prefill_chunk_is_shortened_to_fit() -> None:
     out = run_step(scheduler)
     # 10 fixed + 2 for the decode leaves 18 ms: 36 prefill tokens.
     assert out.num_scheduled_tokens == {"decoding": 1, "long": 36}
-    scheduler = limited_scheduler(max_ms=5.0)  # below even the first request: it runs anyway
+    # The step's first request always runs, its chunk cut to the limit too: 50 ms after the fixed
+    # 10 is 100 tokens; a limit below even the fixed cost still gets the minimum chunk (16).
+    scheduler = limited_scheduler(max_ms=60.0)
     scheduler.add(make_request("alone", 200))
-    assert run_step(scheduler).num_scheduled_tokens == {"alone": 200}
+    assert run_step(scheduler).num_scheduled_tokens == {"alone": 100}
+    scheduler = limited_scheduler(max_ms=5.0)
+    scheduler.add(make_request("alone", 200))
+    assert run_step(scheduler).num_scheduled_tokens == {"alone": 16}
 
 
 def test_a_more_urgent_request_takes_the_slot_of_a_less_urgent_one() -> None:
