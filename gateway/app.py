@@ -178,10 +178,12 @@ async def _complete(request: Request, gateway: Gateway, endpoint: Endpoint[Body]
         if gateway.telemetry.capture_content:
             server_span.set_attribute(attr.GEN_AI_INPUT_MESSAGES, json.dumps(prompts.content))
     model = placement.model
+    choices = _choices(gateway, model, parsed, prompt_ids, prompts.param)
+    await _checked(gateway.check_structured(choices[0].sampling.structured))  # every choice's is one
     job = Job(
         model,
         identity,
-        _choices(gateway, model, parsed, prompt_ids, prompts.param),
+        choices,
         renderer,
         parsed.stream,
         limits.context_class(max(len(p) for p in prompt_ids)),

@@ -3,7 +3,7 @@
 Requests decode straight from the body bytes (``decode_chat`` / ``decode_completion``); a wrong type
 becomes :class:`~wire.errors.InvalidRequestError` naming the field, as the client wrote it. Unknown
 fields are ignored, as OpenAI's own API and other compatible servers do, so newer clients keep working;
-known fields this server does not serve yet (tools, response_format) are refused by name. Ranges
+known fields this server does not serve yet (tools) are refused by name. Ranges
 (temperature, top_p, penalties, ...) are checked once, by ``SamplingParams.validate``, on both sides
 of the wire.
 """
@@ -19,6 +19,7 @@ import msgspec
 from wire.errors import InvalidRequestError
 from wire.messages import MAX_PRIORITY
 from wire.sampling import SamplingParams
+from wire.structured import ANY_JSON_OBJECT, MAX_SPEC_BYTES, StructuredKind, StructuredOutput
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -62,6 +63,85 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs`` body field: exactly one of its kinds."""
+
+    json: dict[str, Any] | bool | str | None = None  # a JSON schema (or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None  # refused: not served
+
+    def to_structured(self) -> StructuredOutput:
+        if self.structural_tag is not None:
+            raise InvalidRequestError("structured_outputs.structural_tag", "is not supported by this server")
+        given = [
+            name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs",
+                f"needs exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}",
+            )
+        (kind,) = given
+        field = f"structured_outputs.{kind}"
+        if kind == "json_object":
+            return _structured("json", ANY_JSON_OBJECT, field, self.whitespace_pattern)
+        if kind == "json":
+            spec = self.json if isinstance(self.json, str) else _json_text(self.json, field)
+            return _structured("json", spec, field, self.whitespace_pattern)
+        if kind == "choice":
+            return _structured("choice", _json_text(self.choice, field), field)
+        text = self.regex if kind == "regex" else self.grammar
+        assert text is not None
+        return _structured("regex" if kind == "regex" else "grammar", text, field)
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # the answer always matches the schema here, strict or not
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON matching a schema."""
+
+    type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    def to_structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return _structured("json", ANY_JSON_OBJECT, "response_format")
+        if self.type == "json_schema":
+            field = "response_format.json_schema.schema"
+            if self.json_schema is None or self.json_schema.schema is None:
+                raise InvalidRequestError(field, "type json_schema needs json_schema.schema")
+            return _structured("json", _json_text(self.json_schema.schema, field), field)
+        raise InvalidRequestError(
+            "response_format.type", f"must be text, json_object or json_schema, got {self.type!r}"
+        )
+
+
+def _json_text(value: object, field: str) -> str:
+    text = msgspec.json.encode(value).decode()
+    if len(text) > MAX_SPEC_BYTES:
+        raise InvalidRequestError(field, f"at most {MAX_SPEC_BYTES} bytes as JSON, got {len(text)}")
+    return text
+
+
+def _structured(
+    kind: StructuredKind, spec: str, field: str, whitespace: str | None = None
+) -> StructuredOutput:
+    if len(spec) > MAX_SPEC_BYTES:
+        raise InvalidRequestError(field, f"at most {MAX_SPEC_BYTES} bytes, got {len(spec)}")
+    return StructuredOutput(kind=kind, spec=spec, field=field, whitespace_pattern=whitespace)
+
+
 class _Sampling(msgspec.Struct, kw_only=True):
     """The fields both endpoints share."""
 
@@ -89,6 +169,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     # vLLM's scheduling priority: within the request's SLA tier, lower runs first (default 0). The
     # tier (X-SLA-Tier, the tenant's default) always comes first; docs/api.md says how they combine.
     priority: Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY - 1, le=MAX_PRIORITY)] = 0
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's: JSON schema, regex, choice, grammar
 
     @property
     def include_usage(self) -> bool:
@@ -117,7 +198,12 @@ class _Sampling(msgspec.Struct, kw_only=True):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(),
+            structured=self.structured_output(),
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What the answer must match (the chat endpoint adds ``response_format``)."""
+        return None if self.structured_outputs is None else self.structured_outputs.to_structured()
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         """OpenAI's map of token ids (JSON object keys, so strings) to biases; ids and ranges are
@@ -150,10 +236,6 @@ def check_messages(messages: Sequence[ChatMessage]) -> None:
             )
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str = "text"
-
-
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name; wins over max_tokens
@@ -174,10 +256,15 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
                 raise InvalidRequestError(name, "tool calling is not supported yet by this server")
         if self.tool_choice not in (None, "none"):
             raise InvalidRequestError("tool_choice", "tool calling is not supported yet by this server")
-        if self.response_format is not None and self.response_format.type != "text":
+
+    def structured_output(self) -> StructuredOutput | None:
+        from_format = None if self.response_format is None else self.response_format.to_structured()
+        from_vllm = super().structured_output()
+        if from_format is not None and from_vllm is not None:
             raise InvalidRequestError(
-                "response_format", f"type {self.response_format.type!r} is not supported yet (only 'text')"
+                "structured_outputs", "cannot be given with a response_format other than text"
             )
+        return from_format or from_vllm
 
     def to_sampling(self, room: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -240,6 +327,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise InvalidRequestError(field, message) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError("body", "nested too deeply") from None
 
 
 def decode_chat(body: bytes) -> ChatCompletionRequest:

@@ -19,6 +19,7 @@ from gateway.errors import APIError
 from gateway.feasibility import FeasibilityLog
 from gateway.instruments import GatewayMetrics
 from gateway.logprobs import TokenTexts
+from gateway.structured import StructuredCheck
 from gateway.tokenizer import PromptBuilder
 from gateway.workers import WorkerInfo, WorkerState, takes
 from policies.degradation import DegradationPolicy, DegradationView, predict_ttft_s
@@ -49,6 +50,7 @@ class Gateway:
     drain: Drain = field(default_factory=Drain)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     telemetry: Telemetry = field(default_factory=Telemetry.off)  # traces: a no-op tracer unless configured
+    check_structured: StructuredCheck = field(default_factory=StructuredCheck)  # grammars, at the door
     admissions: AdmissionBook = field(init=False)
     degradation: DegradationPolicy = field(init=False)
     _token_texts: dict[str, TokenTexts] = field(default_factory=dict)

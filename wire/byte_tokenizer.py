@@ -9,6 +9,7 @@ real. Token ids::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 
 SPECIAL_TOKENS = ("<|end|>", "<|begin|>", "<|pad|>", "<|header|>")
@@ -81,6 +82,47 @@ class ByteTokenizer:
         if add_generation_prompt:
             ids += [HEADER_ID, *self.encode("assistant\n")]
         return ids if tokenize else self.decode(ids)
+
+
+def hf_tokenizer_json() -> str:
+    """This vocabulary as a Hugging Face ``tokenizer.json`` (a byte-level BPE without merges, so each
+    byte is one token at ``BYTE_OFFSET + b``): for libraries that read that format, such as the
+    grammar engine behind structured outputs."""
+    byte_chars = _byte_level_alphabet()
+    vocab = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
+    vocab.update({byte_chars[b]: BYTE_OFFSET + b for b in range(256)})
+    special = [
+        {"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for i, name in enumerate(SPECIAL_TOKENS)
+    ]  # fmt: skip
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    model: dict[str, object] = {
+        "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+        "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+        "vocab": vocab, "merges": [],
+    }  # fmt: skip
+    return json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
+        "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None,
+        "decoder": byte_level, "model": model,
+    })  # fmt: skip
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's printable stand-in for each byte (what byte-level BPE vocabularies are written in)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
 
 
 def token_name(token_id: int) -> str:

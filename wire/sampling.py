@@ -8,6 +8,7 @@ from typing import Annotated
 import msgspec
 
 from wire.errors import InvalidRequestError
+from wire.structured import StructuredOutput
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -40,6 +41,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     skip_special_tokens: bool = True
     # capped in the Struct too: a hostile Submit cannot make the decoder allocate more
     logit_bias: Annotated[tuple[tuple[int, float], ...], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = ()
+    # What the answer must match (a JSON schema, regex, choice or grammar: wire/structured.py); the
+    # worker masks every next token to what the grammar allows.
+    structured: StructuredOutput | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from worker.precision import resolve_dtype
 from worker.request import FinishReason, Request, TierRef
 from worker.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
 from worker.scheduler import Scheduler, SchedulerConfig
+from worker.structured import GrammarCompiler, GrammarError, Matcher
 from worker.tracing import NULL_OBSERVER, NullObserver
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     owner: object = None  # the caller's, opaque here (the daemon: which gateway, which epoch)
+    matcher: Matcher | None = None  # a structured output's place in its grammar
+    num_seen: int = 0  # prompt tokens the client already had as output (a resumed request)
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,6 +92,10 @@ class Engine:
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | _tokenizer_eos(tokenizer)
         self._states: dict[str, _RequestState] = {}
+        # Structured outputs: grammars compile on their own thread; a request enters the scheduler
+        # once its grammar is ready (worker/structured.py).
+        self._grammars: GrammarCompiler | None = None
+        self._compiling: dict[str, Future[Matcher]] = {}
         self._ids = itertools.count()
         # Each quantized linear's output error against its exact weight, measured at load (quant_check)
         self.quant_layer_errors: dict[str, float] = {}
@@ -163,7 +171,7 @@ class Engine:
             priority=priority,
         )
         try:
-            self.scheduler.add(request)
+            self.scheduler.check(request)
         except ValueError as exc:
             raise InvalidRequestError("max_tokens", str(exc)) from None
         num_seen = len(seen_token_ids)
@@ -180,9 +188,44 @@ class Engine:
         for token_id in seen_token_ids:
             detokenizer.update([token_id])
         self._states[request_id] = _RequestState(
-            request, detokenizer, make_generator(params.seed, self.runner.device), owner
+            request, detokenizer, make_generator(params.seed, self.runner.device), owner, num_seen=num_seen
         )
+        if params.structured is None:
+            self.scheduler.add(request)
+        else:
+            self._compiling[request_id] = self.grammars.submit(params.structured)
         return request_id
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        if self._grammars is None:
+            vocab = self.model_config.vocab_size
+            self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+        return self._grammars
+
+    def _take_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is ready enter the scheduler (having consumed the output a resumed
+        request already has); those whose grammar failed end with the error."""
+        failed = []
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            state = self._states[request_id]
+            request = state.request
+            try:
+                matcher = future.result()
+            except GrammarError as exc:
+                failed.append(self._finish(request, FinishReason.ERROR, error=str(exc)))
+                continue
+            num_seen = state.num_seen
+            if num_seen and not all(matcher.accept(t) for t in request.prompt_token_ids[-num_seen:]):
+                failed.append(self._finish(request, FinishReason.ERROR, error="structured output: the "
+                                           "resumed tokens do not match the grammar"))  # fmt: skip
+                continue
+            state.matcher = matcher
+            self.scheduler.add(request)
+        return failed
 
     # ---- the live requests (one registry: the engine's) ----------------------------------------
 
@@ -201,6 +244,10 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its blocks go back to the pool. False if unknown."""
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            compiling.cancel()
+            return self._states.pop(request_id, None) is not None
         self._states.pop(request_id, None)
         self.observer.on_abort(request_id)
         return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
@@ -210,6 +257,9 @@ class Engine:
         tokens, ``reason``, the usage it had (zeros for an id the engine does not know)."""
         request = self.scheduler.requests.get(request_id)
         self.observer.on_abort(request_id)
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            compiling.cancel()
         if request is None:
             state = self._states.pop(request_id, None)
             owner = None if state is None else state.owner
@@ -217,7 +267,7 @@ class Engine:
         return self._finish(request, reason, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._compiling)
 
     def stats(self) -> EngineStats:
         """The counters a worker reports in its heartbeats."""
@@ -239,8 +289,12 @@ class Engine:
         """One scheduled step: the runner computes it, the scheduler advances, the sampled tokens are
         processed; what each request got (finished ones included)."""
         start = time.perf_counter()
+        failed = self._take_compiled() if self._compiling else []
         out = self.scheduler.schedule()
         if out.is_empty:
+            if failed or not self._compiling:
+                return failed
+            time.sleep(0.001)  # only grammars compiling: wait for them without spinning a core
             return []
         self.observer.on_schedule(out)
         try:
@@ -256,7 +310,7 @@ class Engine:
         # The whole step, as a stream sees it between two tokens: what the budget policy learns from.
         self.scheduler.report_step(out, (time.perf_counter() - start) * 1e3)
         self.observer.on_step_done(out, outputs)
-        return outputs
+        return failed + outputs
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
         states = [self._states[r.request_id] for r in requests]
@@ -264,6 +318,12 @@ class Engine:
             SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, s.generator)
             for r, s in zip(requests, states, strict=True)
         ]
+        constrained = [(row, s.matcher) for row, s in zip(rows, states, strict=True) if s.matcher is not None]
+        if constrained:
+            masks = torch.empty(len(constrained), self.grammars.num_words, dtype=torch.int32)
+            for (row, matcher), words in zip(constrained, masks, strict=True):
+                matcher.fill(words)
+                row.allowed = words
         sampled = self.sampler(logits, rows)
         picks = zip(states, sampled.token_ids, sampled.logprobs, strict=True)
         return [
@@ -276,6 +336,10 @@ class Engine:
         request = state.request
         params = request.sampling_params
         request.append_output_token(token_id)
+        if state.matcher is not None and not state.matcher.accept(token_id):
+            return self._finish(
+                request, FinishReason.ERROR, error=f"structured output: {state.matcher.error}"
+            )
         reason: FinishReason | None = None
         text = ""
         if token_id in request.eos_token_ids or token_id in params.stop_token_ids:
@@ -286,6 +350,9 @@ class Engine:
             text = delta.text
             if delta.stop_matched is not None:
                 reason = FinishReason.STOP
+            elif state.matcher is not None and state.matcher.is_done:
+                reason = FinishReason.STOP  # the grammar allows nothing more: the answer is whole
+                text += state.detokenizer.flush()
             elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
                 text += state.detokenizer.flush()

@@ -2,7 +2,7 @@
 
 One call takes the step's logits ``[N, V]`` (float32) and one :class:`SamplingRow` per row. The order is
 
-    logits ─▶ logit_bias ─▶ penalties ─┬─▶ log_softmax ─▶ logprobs   (bias and penalties included)
+    logits ─▶ logit_bias ─▶ grammar mask ─▶ penalties ─┬─▶ log_softmax ─▶ logprobs   (all included)
                          ├─▶ argmax ─▶ greedy rows
                          └─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race ─▶ sampled rows
 
@@ -32,6 +32,9 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None  # from make_generator(params.seed); None: the global RNG
+    # A structured output's next-token mask (worker/structured.py): int32 words, bit ``t % 32`` of
+    # word ``t // 32`` set when token ``t`` is allowed; None: every token is.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -79,15 +82,17 @@ class Sampler:
         if all(
             _is_greedy(p) and not _has_penalties(p) and not _has_bias(p) and p.logprobs is None
             for p in params
-        ):
+        ) and all(row.allowed is None for row in rows):
             # The hot path: one kernel, and bit-identical to HF's greedy decoding.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
-        logits = apply_penalties(apply_logit_bias(logits, rows), rows)
+        logits = apply_penalties(apply_allowed(apply_logit_bias(logits, rows), rows), rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
-        if greedy:
+        if len(greedy) == len(rows):
+            token_ids = logits.argmax(dim=-1)  # no row copy when every row is greedy
+        elif greedy:
             token_ids[greedy] = logits[greedy].argmax(dim=-1)
         if sampled:
             token_ids[sampled] = _sample(logits[sampled], [rows[i] for i in sampled])
@@ -105,6 +110,35 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     col_index = torch.tensor([t for _, t, _ in biased], dtype=torch.long, device=device)
     values = torch.tensor([v for _, _, v in biased], dtype=logits.dtype, device=device)
     return logits.index_put((row_index, col_index), values, accumulate=True)
+
+
+def apply_allowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Return ``logits`` with every token a row's grammar mask forbids at -inf (the input untouched)."""
+    masked = [i for i, row in enumerate(rows) if row.allowed is not None]
+    if not masked:
+        return logits
+    device, vocab_size = logits.device, logits.shape[1]
+    words = torch.stack([rows[i].allowed for i in masked])  # type: ignore[misc]
+    # Little-endian int32 words as bytes: bit t % 8 of byte t // 8 is token t. One lookup per byte
+    # gives its eight tokens' penalties (0 or -inf), added to the masked rows in one call: ~0.1 ms
+    # for 8 rows of 49k tokens, where shifting every word 32 ways and masked_fill took ~1.4 ms.
+    table = _PENALTIES.get((device, logits.dtype))
+    if table is None:
+        table = _PENALTIES[(device, logits.dtype)] = _penalty_table(device, logits.dtype)
+    index = words.view(torch.uint8).flatten().to(device=device, dtype=torch.long)
+    penalty = table.index_select(0, index).view(len(masked), -1)[:, :vocab_size]
+    out = logits.clone()
+    out.index_add_(0, torch.tensor(masked, device=device), penalty)
+    return out
+
+
+def _penalty_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[256, 8]``: row ``b`` holds 0 for each set bit of byte ``b`` (lowest first), -inf for the rest."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), 0.0, float("-inf")).to(device=device, dtype=dtype)
+
+
+_PENALTIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

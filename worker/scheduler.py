@@ -129,6 +129,12 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        self.check(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """ValueError if ``request`` could never be added (a duplicate id, or more KV than the cache)."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         max_tokens = self.kv_cache.pool.num_blocks * self.kv_cache.block_size
@@ -138,8 +144,6 @@ class Scheduler:
                 f"request needs {request.num_prompt_tokens + request.sampling_params.max_tokens} "
                 f"tokens of KV cache, the whole cache holds {max_tokens}"
             )
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     @property
     def num_unfinished(self) -> int:

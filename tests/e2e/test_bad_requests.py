@@ -49,6 +49,23 @@ INVALID_UTF8 = b'{"model": "mock", "messages": [{"role": "user", "content": "\xf
 LONE_SURROGATE = b'{"model": "mock", "messages": [{"role": "user", "content": "\\ud800"}]}'
 ACME = {"authorization": "Bearer acme-key"}
 
+SCHEMA_PARAM = "response_format.json_schema.schema"
+
+
+def schema_format(schema: object) -> dict[str, object]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _deep_schema(depth: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+DEEP_SCHEMA = _deep_schema(100)  # past the grammar engine's nesting limit
+DEEP_BODY = b'{"model": "mock", "messages": [], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
 # (id, path, body (bytes: sent as is), extra headers, status, error.param)
 BAD_REQUESTS: list[tuple[str, str, bytes | dict[str, object], dict[str, str], int, str | None]] = [
     ("malformed json", CHAT, b'{"model": "mock", "messages": [', {}, 400, "body"),
@@ -106,7 +123,50 @@ BAD_REQUESTS: list[tuple[str, str, bytes | dict[str, object], dict[str, str], in
     ),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
     ("tool_choice", CHAT, chat(tool_choice="required"), {}, 400, "tool_choice"),
-    ("response_format json", CHAT, chat(response_format={"type": "json_object"}), {}, 400, "response_format"),
+    (
+        "response_format unknown type",
+        CHAT,
+        chat(response_format={"type": "xml"}),
+        {},
+        400,
+        "response_format.type",
+    ),
+    ("json_schema without a schema", CHAT, chat(response_format=schema_format(None)), {}, 400, SCHEMA_PARAM),
+    (
+        "invalid json schema",
+        CHAT,
+        chat(response_format=schema_format({"type": "wizard"})),
+        {},
+        400,
+        SCHEMA_PARAM,
+    ),
+    (
+        "schema nested 3000 deep",
+        CHAT,
+        chat(response_format=schema_format(DEEP_SCHEMA)),
+        {},
+        400,
+        SCHEMA_PARAM,
+    ),
+    ("body nested 100,000 deep", CHAT, DEEP_BODY, {}, 400, "body"),
+    ("invalid regex", CHAT, chat(structured_outputs={"regex": "(a+"}), {}, 400, "structured_outputs.regex"),
+    (
+        "invalid grammar",
+        CHAT,
+        chat(structured_outputs={"grammar": "start: x"}),
+        {},
+        400,
+        "structured_outputs.grammar",
+    ),
+    ("empty choice", CHAT, chat(structured_outputs={"choice": []}), {}, 400, "structured_outputs.choice"),
+    (
+        "two structured kinds",
+        CHAT,
+        chat(structured_outputs={"regex": "a", "choice": ["b"]}),
+        {},
+        400,
+        "structured_outputs",
+    ),
     ("unknown model", CHAT, chat(model="gpt-17"), {}, 404, "model"),
     ("unknown tier", CHAT, chat(), {"x-sla-tier": "platinum"}, 400, "X-SLA-Tier"),
     ("wrong key", CHAT, chat(), {"authorization": "Bearer nope"}, 401, None),

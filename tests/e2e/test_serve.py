@@ -497,3 +497,20 @@ def test_worker_killed_mid_stream_ends_with_error_event_then_503(server_one_work
         assert after.status_code == 503, after.text
         assert after.json()["error"]["message"]
         assert http.get(f"{server_one_worker.base_url}/ready").status_code == 503
+
+
+def test_structured_outputs_hold_on_the_mock_model_too(client: openai.OpenAI) -> None:
+    """The mock's byte vocabulary serves the grammar engine as well: its answer is masked to the
+    choice or regex, whatever the mock model would have said."""
+    choice = client.chat.completions.create(
+        model="mock",
+        messages=[{"role": "user", "content": "pick"}],
+        extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
+        temperature=0,
+    )
+    assert choice.choices[0].message.content in ("alpha", "beta")
+    assert choice.choices[0].finish_reason == "stop"
+    regex = client.completions.create(
+        model="mock", prompt="Once", max_tokens=20, extra_body={"structured_outputs": {"regex": "[0-9]{5}"}}
+    )
+    assert regex.choices[0].text.isdigit() and len(regex.choices[0].text) == 5

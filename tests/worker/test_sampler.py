@@ -13,6 +13,7 @@ from worker.sampler import (
     Sampler,
     SamplingRow,
     TokenLogprobs,
+    apply_allowed,
     apply_penalties,
     make_generator,
 )
@@ -256,3 +257,26 @@ def test_logit_bias_shows_in_the_logprobs() -> None:
     lp = out.logprobs[0]
     assert lp is not None and lp.token_id == 3
     assert lp.logprob == pytest.approx(5.0 - math.log(math.exp(5.0) + VOCAB - 1), abs=1e-5)
+
+
+def test_a_grammar_mask_forbids_exactly_its_clear_bits_and_only_on_its_rows() -> None:
+    """``allowed``: bit ``t % 32`` of int32 word ``t // 32`` for token ``t`` (llguidance's layout);
+    checked against a plain per-token unpacking, with a vocabulary that is not a multiple of 32."""
+    vocab = 1000
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=generator)
+    words = torch.randint(
+        -(2**31), 2**31 - 1, (2, (vocab + 31) // 32), dtype=torch.int32, generator=generator
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    rows = [SamplingRow(params, [1], [], None, words[0]), SamplingRow(params, [1], [], None),
+            SamplingRow(params, [1], [], None, words[1])]  # fmt: skip
+    out = apply_allowed(logits, rows)
+    for row, mask in ((0, words[0]), (2, words[1])):
+        allowed = torch.tensor([(int(mask[t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)])
+        assert torch.equal(torch.isinf(out[row]), ~allowed)
+        assert torch.equal(out[row][allowed], logits[row][allowed])
+    assert torch.equal(out[1], logits[1]) and not torch.isinf(logits).any()  # the input untouched
+    picked = Sampler()(logits, rows).token_ids
+    for row, mask in ((0, words[0]), (2, words[1])):
+        assert (int(mask[picked[row] // 32]) >> (picked[row] % 32)) & 1
