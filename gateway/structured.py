@@ -32,7 +32,7 @@ class StructuredCheck:
     async def __call__(self, structured: StructuredOutput | None) -> None:
         if structured is None:
             return
-        key = (structured.kind, structured.spec, structured.whitespace_pattern)
+        key = structured.grammar_key
         if key in self._accepted:
             self._accepted.move_to_end(key)
             return

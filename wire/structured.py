@@ -33,3 +33,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # JSON only: the whitespace allowed between tokens (a regex); None: none at all (compact JSON,
     # which small models keep to better than "any whitespace").
     whitespace_pattern: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+
+    @property
+    def grammar_key(self) -> tuple[str, str, str | None]:
+        """What decides the grammar (``field`` does not): the key both sides cache checks under."""
+        return (self.kind, self.spec, self.whitespace_pattern)

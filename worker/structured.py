@@ -90,7 +90,7 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _matcher(self, structured: StructuredOutput) -> Matcher:
-        key = (structured.kind, structured.spec, structured.whitespace_pattern)
+        key = structured.grammar_key
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
