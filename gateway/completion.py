@@ -225,6 +225,7 @@ class _Run:
                     cache_salt=job.identity.cache_salt,
                     priority=job.priority,
                     context_class=self.gateway.config.gateway.context_class(len(choice.prompt_ids)),
+                    arrival_time=time.time() - (time.monotonic() - job.arrival),
                 )
                 if route.is_recording():
                     route.set_attributes(_route_attributes(stream))

@@ -229,9 +229,12 @@ class Dispatcher:
         tenant: str | None = None,
         context_class: str | None = None,
         priority: int = 0,
+        arrival_time: float | None = None,
     ) -> RequestStream:
         """Send the request to the ready worker of ``model`` the routing policy picks;
-        :class:`NoWorkerAvailable` if there is none (or every one we tried turned out to be gone)."""
+        :class:`NoWorkerAvailable` if there is none (or every one we tried turned out to be gone).
+        ``arrival_time``: when the client's request arrived (wall clock; None: now), which the
+        worker's TTFT deadlines count from (time spent queued in the gateway included)."""
         if self._is_closed:
             raise DispatcherClosed("the gateway's dispatcher is closed")
         if request_id in self._in_flight:
@@ -246,7 +249,7 @@ class Dispatcher:
             tenant=tenant,
             priority=priority,
             trace_context=dict(trace_context or {}),
-            arrival_time=time.time(),
+            arrival_time=time.time() if arrival_time is None else arrival_time,
         )
         request = InFlight(submit, model, "", asyncio.Queue(), context_class=context_class)
         if not self._place(request):

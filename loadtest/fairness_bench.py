@@ -11,7 +11,8 @@ floods another gateway of the same fleet, in one run.
 Both tenants' requests are of one tier and no gateway sees the other's traffic, so whatever protects
 light is the worker's ordering (``tiered``: fair between tenants within a tier). Light's seeded load
 runs for ``--duration`` seconds twice on the same fleet: alone (the baseline), then once the flood has
-filled the worker's queue (its waiting requests, from the heartbeats B shows). Every request is
+filled the worker's queue (its waiting requests, from the heartbeats B shows), with the same lengths
+and arrival times but another text (so the second phase gets no prefix hits from the first). Every request is
 streamed and waited for (client timeout ``--timeout``).
 
 Figures: light's TTFT p50 and p99 alone and under the flood, ``fairness_ttft_ratio`` (p99 under the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -82,6 +84,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--heavy-output-len", type=parse_range, default=(32, 64), metavar="LO:HI")
     parser.add_argument("--flood-lead", type=float, default=5.0, help="s for the flood to fill the queue")
     parser.add_argument("--ordering", default="tiered", help="the worker's ordering policy (fcfs to compare)")
+    parser.add_argument("--tier", default=None, help="both tenants' tier (default: the server's default)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="the worker's sequences at once")
     parser.add_argument("--threads", type=int, default=2, help="real: the worker's torch threads")
     parser.add_argument("--mock-step-ms", type=float, default=10.0, help="mock: fixed time per step")
@@ -104,8 +107,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, object]:
     model = "mock" if args.mock else REAL_MODEL
     tokenizer = load_tokenizer("auto", model)
-    light_work = Workload(
-        "chat", tokenizer, Api.CHAT, args.seed, WorkloadOptions(args.light_prompt_len, args.light_output_len)
+    light_options = WorkloadOptions(args.light_prompt_len, args.light_output_len)
+    light_work = Workload("chat", tokenizer, Api.CHAT, args.seed, light_options)
+    # The same lengths and arrivals under the flood, another text: no prefix hits from the first phase.
+    light_flood_work = Workload(
+        "chat", tokenizer, Api.CHAT, args.seed, dataclasses.replace(light_options, text_variant="/flood")
     )
     heavy_work = Workload(
         "chat",
@@ -116,12 +122,13 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     )
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp, _fleet(Path(tmp), args) as (gw_a, gw_b):
-        light_target = Target("base", gw_b.base_url, model, ServerConfig().default_tier)
-        heavy_target = Target("base", gw_a.base_url, model, ServerConfig().default_tier)
+        tier = args.tier or ServerConfig().default_tier
+        light_target = Target("base", gw_b.base_url, model, tier)
+        heavy_target = Target("base", gw_a.base_url, model, tier)
         alone = _summary(asyncio.run(_light(light_target, light_work, args)).records)
         progress(f"alone: light TTFT p99 {fmt(alone.ttft_ms.p99)} ms over {alone.num_ok} requests")
         flood_light, heavy = asyncio.run(
-            _flooded(light_target, heavy_target, light_work, heavy_work, gw_b, args)
+            _flooded(light_target, heavy_target, light_flood_work, heavy_work, gw_b, args)
         )
         flood = _summary(flood_light.records)
         progress(f"flood: light TTFT p99 {fmt(flood.ttft_ms.p99)} ms over {flood.num_ok} requests")
@@ -130,6 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "scenario": "fairness",
         "model": model,
         "ordering": args.ordering,
+        "tier": args.tier or ServerConfig().default_tier,
         "worker": (
             f"mock: {args.mock_step_ms:g} ms/step + {args.mock_token_ms:g} ms/scheduled token"
             if args.mock
@@ -224,6 +232,8 @@ def _gateway_config(worker_address: str) -> str:
 
 def _options(tenant: str, args: argparse.Namespace) -> RequestOptions:
     headers = {"Authorization": f"Bearer {TENANTS[tenant]}"}
+    if args.tier is not None:
+        headers["X-SLA-Tier"] = args.tier
     return RequestOptions(Api.CHAT, True, 0.0, True, headers, timeout_s=args.timeout)
 
 

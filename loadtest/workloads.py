@@ -58,6 +58,9 @@ class WorkloadOptions:
     num_prefixes: int = 4  # shared-prefix: distinct system prompts
     prefix_len: int = 1024  # shared-prefix: tokens of each system prompt
     dataset: Path | None = None
+    # Another text for the same lengths (a second run of one workload that must get no prefix hits
+    # from the first); "" is the workload's own text.
+    text_variant: str = ""
 
 
 TIER_MIX: dict[str, tuple[float, Profile]] = {
@@ -123,7 +126,7 @@ class Workload:
             target = self._measure(prefix, "") + rng.randint(*prompt_range)
         else:
             target = rng.randint(*prompt_range)
-        text_rng_name = f"{self.name}/{self.seed}/{index}/text"
+        text_rng_name = f"{self.name}/{self.seed}/{index}/text{self.options.text_variant}"
         free = fit(
             lambda text: self._measure(prefix, text),
             lambda n: self.tokenizer.pieces.text(random.Random(f"{text_rng_name}/{n}"), n),

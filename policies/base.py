@@ -160,6 +160,23 @@ class OrderingPolicy(Protocol):
 
 
 @runtime_checkable
+class SlotSharing(Protocol):
+    """What an ordering may add (optional): a waiting request's claim on a sequence slot when every
+    slot is taken by its own tier (a less urgent tier always gives way, whatever the ordering).
+
+    ``slot_donors`` returns the running requests the waiting ``request`` may take a slot from (empty:
+    it waits for one to free); the preemption policy picks one of them and it is recomputed later
+    (its full blocks stay cached, so little is lost). Invariant: a request that took a slot is never
+    a donor to the request it took it from, at any later step with nothing else changed (no two
+    requests take each other's slot back and forth).
+    """
+
+    def slot_donors(
+        self, request: SeqView, running: Sequence[SeqView], waiting: Sequence[SeqView], max_num_seqs: int
+    ) -> list[SeqView]: ...
+
+
+@runtime_checkable
 class BudgetPolicy(Protocol):
     """The size of each step.
 

@@ -64,10 +64,12 @@ class SloBudget:
         max(min_step_factor·floor, min(want, the least time in hand of any running stream))
 
     where ``want`` is ``safety·T`` for the strictest target ``T`` among running and waiting
-    requests, raised to the whole remaining prefill of the request whose first token is due
-    soonest (its TTFT deadline) beside the streams' decodes: one long step instead of a prompt
-    chunked between 80 ms steps, when the streams can afford it. With no TPOT target in force the
-    limit is ``idle_ttft_fraction`` of the strictest TTFT target seen so far (``assumed_ttft_ms``
+    requests. A request whose first token is due (its TTFT deadline not yet passed) may take the step
+    on to its whole remaining prefill beside the streams' decodes, within the same time in hand
+    (``StepTimeLimit.first_token_ms``): one long step instead of a prompt chunked between 80 ms
+    steps, when the streams can afford it; everyone else's tokens stay within the plain limit, and
+    which due request gets the time is the ordering's say. With no TPOT target in force the limit is
+    ``idle_ttft_fraction`` of the strictest TTFT target seen so far (``assumed_ttft_ms``
     until one is seen), so batch prefill comes in pieces an urgent arrival does not wait long
     behind; ``idle_ttft_fraction = 0`` gives such steps the ceilings.
 
@@ -98,23 +100,38 @@ class SloBudget:
     ) -> StepBudget:
         self._remember_ttft((*running, *waiting))
         ceilings = StepBudget(limits.max_num_batched_tokens, limits.max_num_seqs)
-        cost = self.model.cost
         target = self.target_ms(running, waiting)
-        if target is None:
-            if self.params.idle_ttft_fraction == 0:
-                return ceilings
-            ttft_ms = (
-                self.params.assumed_ttft_ms if self.strictest_ttft_ms is None else self.strictest_ttft_ms
-            )
-            want = self.params.idle_ttft_fraction * ttft_ms
-        else:
-            streams = [r for r in running if r.tpot_ms is not None and r.first_token_time is not None]
-            want = min(
-                max(self.params.safety * target, first_token_step_ms(cost, streams, (*running, *waiting))),
-                self.time_in_hand_ms(streams, limits.now),
-            )
-        max_ms = max(self.params.min_step_factor * cost.floor_ms, want)
-        return StepBudget(ceilings.max_num_tokens, ceilings.max_num_seqs, StepTimeLimit(cost, max_ms))
+        if target is None and self.params.idle_ttft_fraction == 0:
+            return ceilings
+        limit = (
+            self._idle_limit() if target is None else self._stream_limit(target, running, waiting, limits.now)
+        )
+        return StepBudget(ceilings.max_num_tokens, ceilings.max_num_seqs, limit)
+
+    def _idle_limit(self) -> StepTimeLimit:
+        """No TPOT target in force: a fraction of the strictest TTFT target seen."""
+        cost = self.model.cost
+        ttft_ms = self.params.assumed_ttft_ms if self.strictest_ttft_ms is None else self.strictest_ttft_ms
+        want = self.params.idle_ttft_fraction * ttft_ms
+        return StepTimeLimit(cost, max(self.params.min_step_factor * cost.floor_ms, want))
+
+    def _stream_limit(
+        self, target: float, running: Sequence[SeqView], waiting: Sequence[SeqView], now: float
+    ) -> StepTimeLimit:
+        """``safety·target`` within the streams' time in hand, lengthened for due first tokens."""
+        cost = self.model.cost
+        streams = [r for r in running if r.tpot_ms is not None and r.first_token_time is not None]
+        in_hand = self.time_in_hand_ms(streams, now)
+        floor_ms = self.params.min_step_factor * cost.floor_ms
+        shared_ms = max(floor_ms, min(self.params.safety * target, in_hand))
+        # Each due first token may lengthen the step to its whole prompt beside the streams'
+        # decodes, within the time in hand; everyone else's tokens stay within the plain step.
+        first_token_ms = {
+            r.request_id: step_ms
+            for r in (*running, *waiting)
+            if is_due(r, now) and (step_ms := min(first_token_step_ms(cost, streams, r), in_hand)) > shared_ms
+        }
+        return StepTimeLimit(cost, shared_ms, first_token_ms)
 
     def time_in_hand_ms(self, streams: Sequence[SeqView], now: float) -> float:
         """How long the next step may last with every stream's mean gap within ``safety`` of its
@@ -147,13 +164,15 @@ class SloBudget:
                     self.strictest_ttft_ms = ttft_ms
 
 
-def first_token_step_ms(cost: StepCost, streams: Sequence[SeqView], requests: Sequence[SeqView]) -> float:
-    """The predicted step that carries ``streams``' decodes and the whole remaining prefill of the
-    request among ``requests`` whose first token is due soonest (0 when none is due)."""
-    due = [r for r in requests if r.ttft_deadline is not None and r.first_token_time is None]
-    if not due:
-        return 0.0
-    first = min(due, key=lambda r: (r.ttft_deadline, r.arrival_time))
+def is_due(r: SeqView, now: float) -> bool:
+    """Whether ``r``'s first token is due: it has a TTFT deadline, not yet passed (past it, one long
+    step would no longer save its SLO), and no first token."""
+    return r.first_token_time is None and r.ttft_deadline is not None and r.ttft_deadline > now
+
+
+def first_token_step_ms(cost: StepCost, streams: Sequence[SeqView], request: SeqView) -> float:
+    """The predicted step that carries ``streams``' decodes and the whole remaining prefill of
+    ``request``."""
     decodes = sum(cost.decode_ms(r.num_tokens + 1) for r in streams)
-    prefill = cost.chunk_ms(max(1, first.num_tokens - first.num_computed_tokens), first.num_computed_tokens)
-    return cost.fixed_ms + decodes + prefill
+    remaining = max(1, request.num_tokens - request.num_computed_tokens)
+    return cost.fixed_ms + decodes + cost.chunk_ms(remaining, request.num_computed_tokens)

@@ -1,4 +1,5 @@
-"""Built-in orderings: ``fcfs`` (the baseline) and ``tiered`` (tiers, then fairness between tenants)."""
+"""Built-in orderings: ``fcfs`` (the baseline) and ``tiered`` (tiers, then fairness between tenants,
+in the order and on the sequence slots)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ class Tiered:
     after one of its tier with a larger ``priority``. With one tenant the order is (tier, priority, deadline,
     arrival) exactly. Each request placed charges its tenant, for this call only, what it would cost
     this step, so one tenant's fifty requests interleave with another's one rather than all going first.
+
+    Slots (:class:`~policies.base.SlotSharing`): when every sequence slot is taken, a waiting request
+    whose tenant holds fewer than its fair share of its tier's slots (``max_num_seqs``, less those of
+    more urgent tiers, over the tier's tenants with requests in the worker) may take the slot of a
+    running request of that tier whose tenant holds more than its share, if both are still within
+    their shares after the swap (so a swap is never undone). Order alone cannot do it: a light
+    tenant's request, first in the order, would otherwise wait for one of the heavy tenant's
+    requests to finish. Off with both weights 0.
     """
 
     kind: ClassVar[str] = "ordering"
@@ -63,6 +72,25 @@ class Tiered:
             zip((r.tier_rank for r in base), (r.priority for r in base), tags, range(len(base)), strict=True)
         )
         return [base[k[3]] for k in keys]
+
+    def slot_donors(
+        self, request: SeqView, running: Sequence[SeqView], waiting: Sequence[SeqView], max_num_seqs: int
+    ) -> list[SeqView]:
+        if self.params.input_weight == 0 and self.params.output_weight == 0:
+            return []
+        rank = request.tier_rank
+        held: dict[str | None, int] = {}
+        num_urgent = 0  # slots held by more urgent tiers: not this tier's to share
+        for r in running:
+            if r.tier_rank == rank:
+                held[r.tenant] = held.get(r.tenant, 0) + 1
+            num_urgent += r.tier_rank < rank
+        tenants = set(held) | {r.tenant for r in waiting if r.tier_rank == rank} | {request.tenant}
+        share = (max_num_seqs - num_urgent) / len(tenants)
+        if held.get(request.tenant, 0) + 1 > share:
+            return []
+        over = {t for t, n in held.items() if t != request.tenant and n - 1 >= share}
+        return [r for r in running if r.tier_rank == rank and r.tenant in over]
 
 
 def _urgency(r: SeqView) -> tuple[int, int, float, float]:

@@ -12,7 +12,8 @@ Pure Python.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +60,21 @@ class StepCost:
 @dataclass(frozen=True, slots=True)
 class StepTimeLimit:
     """A ceiling on one step's predicted time. The step's first request always runs (progress; a
-    prefill chunk of it is still cut to fit, to no less than the scheduler's minimum chunk)."""
+    prefill chunk of it is still cut to fit, to no less than the scheduler's minimum chunk).
+
+    ``first_token_ms`` lengthens the step for requests whose first token is due: such a request's
+    tokens may take the step on to its own ceiling there (typically its whole remaining prefill
+    beside the streams' decodes), everyone else's stay within ``max_ms``. Which due request gets
+    the time is the ordering's say (whichever comes first); the time is not spent on others'
+    prefill chunks that come before it."""
 
     cost: StepCost
     max_ms: float
+    first_token_ms: Mapping[str, float] = field(default_factory=dict)
+
+    def limit_ms(self, request_id: str) -> float:
+        """How far into the step ``request_id``'s tokens may go."""
+        return max(self.max_ms, self.first_token_ms.get(request_id, self.max_ms))
 
 
 TOKEN_SCALE = 256.0  # features are fitted in these units, so all four are of order 1

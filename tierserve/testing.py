@@ -44,6 +44,7 @@ from policies.base import (
     OrderingPolicy,
     PreemptionPolicy,
     SeqView,
+    SlotSharing,
     StepBudget,
     StepLimits,
     StepReport,
@@ -242,6 +243,20 @@ class _CheckedOrdering:
                 f"requests (got {len(ordered)}: {[getattr(s, 'request_id', s) for s in ordered]})"
             )
         return list(ordered)
+
+    def slot_donors(
+        self, request: SeqView, running: Sequence[SeqView], waiting: Sequence[SeqView], max_num_seqs: int
+    ) -> list[SeqView]:
+        if not isinstance(self.policy, SlotSharing):
+            return []
+        donors = self.policy.slot_donors(request, tuple(running), tuple(waiting), max_num_seqs)
+        if any(d is request or not any(d is r for r in running) for d in donors):
+            named = [getattr(d, "request_id", d) for d in donors]
+            raise PolicyContractError(
+                f"{type(self.policy).__name__}.slot_donors named {named} for {request.request_id}: "
+                "not all of them running requests other than it"
+            )
+        return list(donors)
 
 
 class _CheckedBudget:

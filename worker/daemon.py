@@ -283,6 +283,7 @@ class WorkerDaemon:
                 priority=submit.priority,
                 seen_token_ids=submit.resumed_token_ids,
                 owner=_Tracked(submit.epoch, num_resumed, link),
+                arrival_time=monotonic_arrival(submit.arrival_time),
             )
         except InvalidRequestError as exc:
             self._reject(submit, link, 400, exc.field, exc.message)
@@ -427,3 +428,10 @@ def _observe(engine: Engine, telemetry: Telemetry | None, worker_id: str) -> Nul
 
 def _model_name(model: str) -> str:
     return DEFAULT_MODEL if model in DEFAULT_MODEL_ALIASES + QUANTIZED_DEFAULT_ALIASES else Path(model).name
+
+
+def monotonic_arrival(wall_clock_arrival: float) -> float:
+    """A gateway's wall-clock arrival time on this process's ``time.monotonic`` clock: now less the
+    time since it (never in the future: a gateway host's clock a little ahead of ours counts as now).
+    Hosts are expected to keep their clocks in step (NTP), as traces need them to anyway."""
+    return time.monotonic() - max(0.0, time.time() - wall_clock_arrival)

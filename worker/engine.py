@@ -141,6 +141,7 @@ class Engine:
         priority: int = 0,
         seen_token_ids: Sequence[int] = (),
         owner: object = None,
+        arrival_time: float | None = None,
     ) -> str:
         """Validate and queue a request; raises :class:`InvalidRequestError` naming the bad field.
 
@@ -148,6 +149,9 @@ class Engine:
         (a request resumed after a failover). The detokenizer is brought to where it stood after them,
         fed token by token as the loop would have, so held-back partial characters and stop-string
         prefixes come out exactly as the old worker would have sent them.
+
+        ``arrival_time``: when the client's request arrived, on ``time.monotonic``'s clock (None:
+        now); the request's TTFT deadline counts from it.
         """
         prompt_ids = (
             self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -170,6 +174,8 @@ class Engine:
             tenant=tenant,
             priority=priority,
         )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         try:
             self.scheduler.check(request)
         except ValueError as exc:

@@ -12,13 +12,16 @@ other requests keep decoding in the same step. Each step:
      running one keeping its KV. Under a time limit a decode that would overrun it sits the step
      out and a prefill chunk is shortened to fit (never below ``MIN_CHUNK_TOKENS`` unless that is
      all it has left); the step's first request always runs (its prefill chunk cut to the limit
-     too, to no less than ``MIN_CHUNK_TOKENS``);
+     too, to no less than ``MIN_CHUNK_TOKENS``); a request whose first token is due may go on to
+     its own ceiling (``StepTimeLimit.first_token_ms``), everyone else stays within ``max_ms``;
   3. when a running request needs a block and none is free, the preemption policy picks a victim
      among the running (possibly the request itself): its blocks are freed (full ones stay cached)
      and it is recomputed later; once anyone was preempted, nobody else is admitted this step;
   4. when every sequence slot is taken or the blocks run out, a waiting request may take the slot
      or the blocks of running requests of less urgent tiers, the preemption policy choosing each
-     victim (or that the request waits).
+     victim (or that the request waits); with every slot held by its own tier, an ordering with
+     slot sharing (``policies.base.SlotSharing``: ``tiered``, between tenants) names the running
+     requests it may take a slot from, and the preemption policy picks one.
 
 Under ``fcfs`` running requests arrived before waiting ones (but for the preempted), so this is
 "running first"; under ``tiered`` a waiting interactive request goes before running batch decodes,
@@ -32,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from policies.base import StepLimits, StepReport
+from policies.base import SlotSharing, StepLimits, StepReport
 from policies.step_time import StepTimeLimit
 from worker.kv_cache import KVCacheManager
 from worker.policy_set import WorkerPolicies
@@ -54,11 +57,12 @@ class _StepClock:
         if self.limit is not None:
             self.spent_ms = self.limit.cost.fixed_ms
 
-    def allowed(self, num_new: int, context_before: int, is_first: bool) -> int:
-        """How many of ``num_new`` tokens after ``context_before`` fit (0: sit this step out)."""
+    def allowed(self, request_id: str, num_new: int, context_before: int, is_first: bool) -> int:
+        """How many of ``num_new`` tokens after ``context_before`` fit (0: sit this step out): within
+        ``limit.limit_ms(request_id)``: ``max_ms``, or a due first token's own ceiling."""
         if self.limit is None:
             return num_new
-        cost, room = self.limit.cost, self.limit.max_ms - self.spent_ms
+        cost, room = self.limit.cost, self.limit.limit_ms(request_id) - self.spent_ms
         if num_new == 1:
             return 1 if is_first or cost.decode_ms(context_before + 1) <= room else 0
         num_fit = min(num_new, cost.chunk_tokens_within(room, context_before))
@@ -187,7 +191,9 @@ class Scheduler:
         """Give a running request its next tokens, preempting until its blocks fit; the tokens used
         (net of budget given back by victims that were already scheduled this step)."""
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        num_new = clock.allowed(num_new, request.num_computed_tokens, not out.num_scheduled_tokens)
+        num_new = clock.allowed(
+            request.request_id, num_new, request.num_computed_tokens, not out.num_scheduled_tokens
+        )
         if num_new == 0:
             return 0  # sits this step out, keeping its KV
         returned = 0
@@ -212,22 +218,23 @@ class Scheduler:
         blocks of running requests of less urgent tiers: the preemption policy chooses among those
         and the request itself (choosing it means it waits)."""
         is_full = len(self.running) >= self.config.max_num_seqs
-        if is_full and not any(r.tier_rank > request.tier_rank for r in self.running):
+        donors = self._slot_donors(request) if is_full else []
+        if is_full and not donors:
             return 0
         hits = self.kv_cache.get_computed_blocks(request)
         num_before = request.num_computed_tokens + len(hits) * self.kv_cache.block_size
         num_new = min(request.num_tokens - num_before, budget)
-        num_new = clock.allowed(num_new, num_before, not out.num_scheduled_tokens)
+        num_new = clock.allowed(request.request_id, num_new, num_before, not out.num_scheduled_tokens)
         if num_new == 0:
             return 0
         returned = 0
         if is_full:
-            given = self._give_way(request, out)
+            given = self._give_way(request, out, donors)
             if given is None:
                 return 0
             returned += given
         while not self.kv_cache.allocate_slots(request, num_new, hits):
-            given = self._give_way(request, out)
+            given = self._give_way(request, out, self._less_urgent(request))
             if given is None:
                 return None
             returned += given
@@ -240,19 +247,39 @@ class Scheduler:
         out.num_scheduled_tokens[request.request_id] = num_new
         return num_new - returned
 
-    def _give_way(self, request: Request, out: SchedulerOutput) -> int | None:
-        """Preempt a running request of a less urgent tier for waiting ``request``, as the preemption
-        policy chooses; the tokens the victim had been given this step, or None when there is no such
-        request or the policy chose ``request`` itself (it waits)."""
-        less_urgent = [
-            r for r in self.running if r.status is RequestStatus.RUNNING and r.tier_rank > request.tier_rank
-        ]
-        if not less_urgent:
+    def _less_urgent(self, request: Request) -> list[Request]:
+        rank = request.tier_rank
+        return [r for r in self.running if r.status is RequestStatus.RUNNING and r.tier_rank > rank]
+
+    def _slot_donors(self, request: Request) -> list[Request]:
+        """Who waiting ``request`` may take a sequence slot from: running requests of less urgent
+        tiers, else those the ordering's slot sharing names (fairness within the tier)."""
+        less_urgent = self._less_urgent(request)
+        ordering = self.policies.ordering
+        if less_urgent or not isinstance(ordering, SlotSharing):
+            return less_urgent
+        running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        views = ordering.slot_donors(request, running, self.waiting, self.config.max_num_seqs)
+        donors = [self.requests[v.request_id] for v in views]
+        assert all(d in running for d in donors), "the ordering named a donor that is not running"
+        return donors
+
+    def _give_way(self, request: Request, out: SchedulerOutput, candidates: list[Request]) -> int | None:
+        """Preempt one of ``candidates`` (running requests ``request`` may displace) for waiting
+        ``request``, as the preemption policy chooses; the tokens the victim had been given this
+        step, or None when there is no candidate or the policy chose ``request`` itself (it waits).
+
+        Candidates of less urgent tiers are offered with ``request`` among them (the policy may
+        prefer that it waits); donors of its own tier (slot sharing) without: the ordering has
+        decided that one of them gives way, the preemption policy only picks which."""
+        if not candidates:
             return None
-        victim = self.requests[self.policies.preemption.victim([*less_urgent, request]).request_id]
+        same_tier = all(r.tier_rank == request.tier_rank for r in candidates)
+        offered = candidates if same_tier else [*candidates, request]
+        victim = self.requests[self.policies.preemption.victim(offered).request_id]
         if victim is request:
             return None
-        assert victim in less_urgent, f"the preemption policy chose {victim.request_id}, not a candidate"
+        assert victim in candidates, f"the preemption policy chose {victim.request_id}, not a candidate"
         self._preempt(victim, out)
         self.running.remove(victim)
         return out.num_scheduled_tokens.pop(victim.request_id, 0)

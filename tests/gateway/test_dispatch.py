@@ -753,3 +753,19 @@ def test_a_restarted_worker_s_requests_are_detached_from_it_but_kept_for_failove
     assert info is not None and info.in_flight_ids == set()
     assert table.get("r1") is request and request.worker_id == "a"  # until the dispatcher moves it
     assert table.remove(request) and len(table) == 0
+
+
+def test_the_submit_carries_the_clients_arrival_time(fleet: Fleet) -> None:
+    # The worker's TTFT deadlines count from it: time queued in the gateway is the client's too.
+    arrived = time.time() - 2.5
+
+    async def scenario(dispatcher: Dispatcher) -> None:
+        prompt = _prompt("hi")
+        stream = await dispatcher.submit(MODEL, "r-arrived", prompt, _greedy(4), TIER, arrival_time=arrived)
+        assert stream._request.submit.arrival_time == arrived
+        await collect(stream)
+        now = await dispatcher.submit(MODEL, "r-now", _prompt("hi"), _greedy(4), TIER)
+        assert abs(now._request.submit.arrival_time - time.time()) < 5
+        await collect(now)
+
+    run(fleet, scenario)

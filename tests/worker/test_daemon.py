@@ -42,6 +42,7 @@ from wire.sampling import SamplingParams
 from wire.tier import DEFAULT_TIERS
 from worker.config import EngineConfig
 from worker.cpu_isa import read_cpuinfo
+from worker.daemon import monotonic_arrival
 from worker.engine import Engine
 from worker.models.store import DEFAULT_MODEL
 
@@ -403,3 +404,9 @@ def test_prefix_cache_changes_go_out_as_numbered_kv_events_and_resync_answers_wi
     assert (snapshot.seq, snapshot.part, snapshot.num_parts, snapshot.block_size) == (last, 0, 1, 16)
     assert wanted <= set(snapshot.hashes)
     assert not set(hash_blocks(prompt, 16, "tenant-y")) & set(snapshot.hashes)  # salted per tenant
+
+
+def test_a_gateway_arrival_lands_on_the_monotonic_clock_never_in_the_future() -> None:
+    before = time.monotonic()
+    assert before - 3.0 - 0.5 < monotonic_arrival(time.time() - 3.0) <= time.monotonic() - 3.0
+    assert before <= monotonic_arrival(time.time() + 60.0) <= time.monotonic()  # a clock ahead of ours

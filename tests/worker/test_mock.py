@@ -20,7 +20,7 @@ from worker.mock import (
     MockTokenizer,
     build_mock_engine,
 )
-from worker.request import FinishReason
+from worker.request import FinishReason, TierRef
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0)
 TOKENIZER = MockTokenizer()
@@ -191,3 +191,14 @@ def test_step_duration_follows_the_cost_formula() -> None:
     assert runner.num_steps == 2
     assert engine.abort("req-0") and engine.abort("req-1")
     assert_clean(engine)
+
+
+def test_a_requests_ttft_deadline_counts_from_the_arrival_it_is_given() -> None:
+    engine = build_mock_engine(EngineConfig(model="mock"))
+    tier = TierRef("interactive", 0, ttft_ms=1000.0)
+    arrived = time.monotonic() - 5.0
+    late = engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), tier=tier, arrival_time=arrived)
+    fresh = engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), tier=tier)
+    assert engine.scheduler.requests[late].ttft_deadline == arrived + 1.0
+    deadline = engine.scheduler.requests[fresh].ttft_deadline
+    assert deadline is not None and deadline > time.monotonic()

@@ -215,6 +215,25 @@ def test_under_a_time_limit_a_prefill_chunk_is_shortened_to_fit() -> None:
     assert run_step(scheduler).num_scheduled_tokens == {"alone": 16}
 
 
+def test_a_step_lengthened_for_one_first_token_is_not_spent_on_the_prefill_before_it() -> None:
+    # fcfs: "early" (200 tokens) comes first; the step is 40 ms, lengthened to 140 ms for "due"'s
+    # first token (100 tokens: 50 ms). early's chunk stops at 40 ms (10 fixed + 30 ms: 60 tokens),
+    # and due's whole prompt fits in the 140.
+    scheduler = limited_scheduler(max_ms=40.0)
+    budget = scheduler.policies.budget
+    assert isinstance(budget, FixedLimit)
+    budget.limit = StepTimeLimit(budget.limit.cost, 40.0, {"due": 140.0})
+    scheduler.add(make_request("early", 200, arrival=0))
+    scheduler.add(make_request("due", 100, arrival=1))
+    assert run_step(scheduler).num_scheduled_tokens == {"early": 60, "due": 100}
+    # Without the name, early's whole prompt (110 ms) goes first and due gets a chunk of the rest.
+    scheduler = limited_scheduler(max_ms=140.0)
+    scheduler.add(make_request("early", 200, arrival=0))
+    scheduler.add(make_request("due", 100, arrival=1))
+    scheduled = run_step(scheduler).num_scheduled_tokens
+    assert scheduled["early"] == 200 and scheduled["due"] < 100
+
+
 def test_a_more_urgent_request_takes_the_slot_of_a_less_urgent_one() -> None:
     policies = WorkerPolicies.tiered()
     scheduler = Scheduler(SchedulerConfig(256, 2), KVCacheManager(256, 4), policies)
@@ -263,3 +282,28 @@ def test_a_more_urgent_request_takes_the_blocks_of_a_less_urgent_one() -> None:
             break
         run_step(scheduler)
     assert not scheduler.requests  # the victim was recomputed and finished
+
+
+def test_a_light_tenant_takes_a_slot_of_a_heavy_one_of_its_tier_and_never_gives_it_back() -> None:
+    # Two slots, both heavy's; light's arrival takes the one with the least progress (lowest-tier),
+    # which runs again once light is done. Under fcfs light waits.
+    for policies, takes in ((WorkerPolicies.tiered(), True), (WorkerPolicies.baseline(), False)):
+        scheduler = Scheduler(SchedulerConfig(256, 2), KVCacheManager(256, 4), policies)
+        for i, prompt in enumerate((12, 8)):
+            heavy = make_request(f"heavy{i}", prompt, max_tokens=20, arrival=i)
+            heavy.tenant = "heavy"
+            scheduler.add(heavy)
+        run_step(scheduler)
+        light = make_request("light", 8, max_tokens=3, arrival=5)
+        light.tenant = "light"
+        scheduler.add(light)
+        out = run_step(scheduler)
+        assert ("light" in out.num_scheduled_tokens) is takes
+        assert [r.request_id for r in out.preempted] == (["heavy1"] if takes else [])
+        # Heavy at its share (1 of 2) cannot take the slot back while light runs.
+        for _ in range(2):
+            out = run_step(scheduler)
+            assert not out.preempted
+        while scheduler.num_unfinished:
+            run_step(scheduler)
+        assert scheduler.num_preemptions == (1 if takes else 0)
