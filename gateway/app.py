@@ -173,7 +173,8 @@ async def _complete(request: Request, gateway: Gateway, endpoint: Endpoint[Body]
         )
         texts = gateway.token_texts(placement.model) if endpoint.wants_logprobs(parsed) else None
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
-        renderer = endpoint.renderer(request_id, placement.model, parsed.include_usage, texts)
+        tool_spec = endpoint.tool_spec(parsed)
+        renderer = endpoint.renderer(request_id, placement.model, parsed.include_usage, texts, tool_spec)
         _classified(gateway, span, identity, placement, prompt_ids)
         if gateway.telemetry.capture_content:
             server_span.set_attribute(attr.GEN_AI_INPUT_MESSAGES, json.dumps(prompts.content))

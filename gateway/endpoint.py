@@ -23,6 +23,7 @@ from gateway.openai_requests import (
     template_messages,
 )
 from gateway.tokenizer import PromptBuilder, TemplateError, chat_ids_async, text_ids_async
+from gateway.tools import ToolSpec
 
 Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
 
@@ -44,14 +45,17 @@ class Endpoint(Generic[Body]):
     decode: Callable[[bytes], Body]  # raises InvalidRequestError naming the field
     prompts: Callable[[Body, int], Prompts]  # at most that many prompts; raises InvalidRequestError
     wants_logprobs: Callable[[Body], bool]
-    renderer: Callable[[str, str, bool, TokenTexts | None], Renderer]  # (id, model, usage?, logprob texts)
+    # (id, model, usage?, logprob texts, the tools whose calls are parsed out of the text)
+    renderer: Callable[[str, str, bool, TokenTexts | None, ToolSpec | None], Renderer]
+    tool_spec: Callable[[Body], ToolSpec | None]
     id_prefix: str  # of the response's id
     operation: str  # gen_ai.operation.name
 
 
 def chat_prompts(body: ChatCompletionRequest, max_prompts: int) -> Prompts:
-    """The messages, content flattened to text, as one prompt through the model's chat template."""
-    messages = template_messages(body.messages)
+    """The messages, content flattened to text, as one prompt through the model's chat template (tools,
+    earlier calls and tool results in the default tool format: gateway/tools.py)."""
+    messages = template_messages(body.messages, body.tool_spec())
 
     async def tokenize(builder: PromptBuilder) -> list[list[int]]:
         try:
@@ -82,6 +86,7 @@ CHAT = Endpoint(
     prompts=chat_prompts,
     wants_logprobs=lambda body: body.logprobs,
     renderer=ChatRenderer,
+    tool_spec=lambda body: body.tool_spec(),
     id_prefix="chatcmpl",
     operation="chat",
 )
@@ -91,6 +96,7 @@ COMPLETIONS = Endpoint(
     prompts=completion_prompts,
     wants_logprobs=lambda body: body.logprobs is not None,  # the legacy API: a count, 0 included
     renderer=CompletionRenderer,
+    tool_spec=lambda body: None,
     id_prefix="cmpl",
     operation="text_completion",
 )

@@ -16,6 +16,7 @@ from typing import Literal, Protocol
 import msgspec
 
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts, chat_logprobs, completion_logprobs
+from gateway.tools import CallParser, ParsedCall, ToolSpec, parse_whole
 from wire.messages import TokenDelta, TokenLogprob, Usage
 
 # ---------------------------------------------------------------- responses
@@ -49,12 +50,35 @@ class UsageInfo(msgspec.Struct, kw_only=True):
         )
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-class AssistantMessage(msgspec.Struct, kw_only=True):
-    role: str = "assistant"
-    content: str = ""
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    """A call in a stream: sent whole, once its block has closed (``index`` counts the choice's calls)."""
+
+    index: int
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``tool_calls`` is left out when there are none, as OpenAI does (hence no default on role)."""
+
+    role: str
+    content: str | None  # None: only tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -76,6 +100,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
@@ -165,14 +190,22 @@ class Renderer(Protocol):
 
 class ChatRenderer:
     def __init__(
-        self, request_id: str, model: str, include_usage: bool, texts: TokenTexts | None = None
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        texts: TokenTexts | None = None,
+        tools: ToolSpec | None = None,
     ) -> None:
-        """``texts``: given when logprobs were asked for."""
+        """``texts``: given when logprobs were asked for; ``tools``: the request's, whose calls are
+        parsed out of each choice's text (gateway/tools.py) unless tool_choice is ``none``."""
         self.request_id = request_id
         self.model = model
         self.include_usage = include_usage
         self.texts = texts
+        self.tools = tools if tools is not None and tools.parses_calls else None
         self.created = int(time.time())
+        self._parsers: dict[int, CallParser] = {}  # choice index → its stream's parser
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -189,14 +222,28 @@ class ChatRenderer:
 
     def chunks(self, index: int, delta: TokenDelta) -> list[object]:
         out: list[object] = []
-        if delta.text or (self.texts is not None and delta.logprobs):
+        text, parser, num_before = delta.text, None, 0
+        calls: list[ParsedCall] = []
+        if self.tools is not None:
+            parser = self._parsers.setdefault(index, CallParser(self.tools))
+            num_before = len(parser.calls)
+            text, calls = parser.feed(delta.text)
+            if delta.finish_reason is not None:
+                text += parser.finish()
+        if text or (self.texts is not None and delta.logprobs):
             choice = ChatChunkChoice(
-                index=index, delta=ChatDelta(content=delta.text), logprobs=self._logprobs(delta.logprobs)
+                index=index, delta=ChatDelta(content=text), logprobs=self._logprobs(delta.logprobs)
             )
             out.append(self._chunk([choice]))
+        if calls:
+            deltas = [
+                ToolCallDelta(index=num_before + k, id=c.id, function=_function(c))
+                for k, c in enumerate(calls)
+            ]
+            out.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas))]))
         if delta.finish_reason is not None:
-            last = ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish_reason(delta))
-            out.append(self._chunk([last]))
+            reason = _with_calls(finish_reason(delta), parser is not None and bool(parser.calls))
+            out.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)]))
         return out
 
     def usage_chunk(self, usage: UsageInfo) -> object:
@@ -207,23 +254,44 @@ class ChatRenderer:
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=AssistantMessage(content=c.text),
-                    logprobs=self._logprobs(c.logprobs),
-                    finish_reason=c.finish_reason,
-                )
-                for c in choices
-            ],
+            choices=[self._choice(c) for c in choices],
             usage=usage,
         )
+
+    def _choice(self, c: ChoiceResult) -> ChatChoice:
+        content: str | None = c.text
+        calls: list[ParsedCall] = []
+        if self.tools is not None:
+            content, calls = parse_whole(self.tools, c.text)
+        tool_calls = [ToolCall(id=call.id, function=_function(call)) for call in calls]
+        return ChatChoice(
+            index=c.index,
+            message=AssistantMessage(role="assistant", content=content, tool_calls=tool_calls or None),
+            logprobs=self._logprobs(c.logprobs),
+            finish_reason=_with_calls(c.finish_reason, bool(calls)),
+        )
+
+
+def _function(call: ParsedCall) -> FunctionCall:
+    return FunctionCall(name=call.name, arguments=call.arguments)
+
+
+def _with_calls(reason: FinishReason | None, has_calls: bool) -> FinishReason | None:
+    """OpenAI's finish_reason for an answer that ended in tool calls (a cut-off one stays "length")."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 class CompletionRenderer:
     def __init__(
-        self, request_id: str, model: str, include_usage: bool, texts: TokenTexts | None = None
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        texts: TokenTexts | None = None,
+        tools: ToolSpec | None = None,
     ) -> None:
+        """``tools``: always None (the completions API has none), taken for the Endpoint's one shape."""
+        assert tools is None, "the completions API has no tools"
         self.request_id = request_id
         self.model = model
         self.include_usage = include_usage

@@ -3,7 +3,8 @@
 Requests decode straight from the body bytes (``decode_chat`` / ``decode_completion``); a wrong type
 becomes :class:`~wire.errors.InvalidRequestError` naming the field, as the client wrote it. Unknown
 fields are ignored, as OpenAI's own API and other compatible servers do, so newer clients keep working;
-known fields this server does not serve yet (tools) are refused by name. Ranges
+known fields this server does not serve (the deprecated ``functions`` and ``function_call``) are
+refused by name. Tools: gateway/tools.py. Ranges
 (temperature, top_p, penalties, ...) are checked once, by ``SamplingParams.validate``, on both sides
 of the wire.
 """
@@ -16,6 +17,8 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from gateway import tools
+from gateway.tools import NamedToolChoice, ToolCallIn, ToolDef, ToolSpec
 from wire.errors import InvalidRequestError
 from wire.messages import MAX_PRIORITY
 from wire.sampling import SamplingParams
@@ -28,17 +31,16 @@ class TextPart(msgspec.Struct, kw_only=True):
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# Known OpenAI fields not served yet: refused by name rather than dropped (a client that sends them
-# relies on them: an agent parsing tool calls or JSON must not get free text with a 200).
-# tool_choice "none" and parallel_tool_calls without tools ask for nothing, so they are taken.
-UNSUPPORTED_CHAT_FIELDS = ("tools", "functions", "function_call")
+# Known OpenAI fields not served: refused by name rather than dropped (a client that sends them relies
+# on them: an agent parsing calls must not get free text with a 200). ``tools`` replaces both.
+UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call")
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[TextPart] | None = None
-    tool_calls: list[Any] | None = None  # an assistant's earlier calls (refused until tools are served)
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
 
     def template_role(self) -> str:
@@ -218,21 +220,49 @@ class _Sampling(msgspec.Struct, kw_only=True):
         return tuple(pairs)
 
 
-def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as a chat template takes them: the template's role names, content as text."""
-    return [{"role": m.template_role(), "content": m.text()} for m in messages]
+def template_messages(messages: Sequence[ChatMessage], spec: ToolSpec | None = None) -> list[dict[str, str]]:
+    """The messages as a chat template takes them: the template's role names, content as text; tools,
+    earlier calls and tool results in the default tool format (gateway/tools.py)."""
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            block = tools.response_text(m.text())
+            if out and out[-1].get("tool_results") == "1":
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "tool_results": "1"})
+            continue
+        content = m.text()
+        if m.tool_calls:
+            calls = tools.history_calls_text(m.tool_calls, f"messages[{i}]")
+            content = f"{content}\n{calls}" if content else calls
+        out.append({"role": m.template_role(), "content": content})
+    for message in out:
+        message.pop("tool_results", None)
+    if spec is not None and spec.in_prompt:
+        section = tools.system_prompt(spec)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{section}" if out[0]["content"] else section
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out
 
 
 def check_messages(messages: Sequence[ChatMessage]) -> None:
-    """Each message's role known (``messages[i].role`` named otherwise); tool messages refused."""
+    """Each message's role known (``messages[i].role`` named otherwise); a tool message answers a
+    call (``tool_call_id``), only an assistant's message carries calls."""
     for i, message in enumerate(messages):
         if message.role not in ROLES:
             raise InvalidRequestError(
                 f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {message.role!r}"
             )
-        if message.role == "tool" or message.tool_calls:
+        if message.role == "tool" and not message.tool_call_id:
             raise InvalidRequestError(
-                f"messages[{i}]", "tool calls and tool messages are not supported yet by this server"
+                f"messages[{i}].tool_call_id", "a tool message must name the call it answers"
+            )
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidRequestError(
+                f"messages[{i}].tool_calls", "only an assistant's message has tool calls"
             )
 
 
@@ -242,20 +272,22 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # refused: the deprecated form of tools
+    function_call: Any = None
 
     def check_supported(self) -> None:
-        """Roles known; fields this server does not serve yet refused by name, never dropped."""
+        """Roles known, tools consistent; fields this server does not serve refused by name."""
         check_messages(self.messages)
         for name in UNSUPPORTED_CHAT_FIELDS:
             if getattr(self, name) is not None:
-                raise InvalidRequestError(name, "tool calling is not supported yet by this server")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequestError("tool_choice", "tool calling is not supported yet by this server")
+                raise InvalidRequestError(name, "is deprecated and not served: send tools and tool_choice")
+        self.structured_output()  # a forced call conflicts with another structured output
+
+    def tool_spec(self) -> ToolSpec | None:
+        return tools.tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def structured_output(self) -> StructuredOutput | None:
         from_format = None if self.response_format is None else self.response_format.to_structured()
@@ -264,7 +296,13 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise InvalidRequestError(
                 "structured_outputs", "cannot be given with a response_format other than text"
             )
-        return from_format or from_vllm
+        spec = self.tool_spec()
+        from_tools = None if spec is None else tools.grammar(spec)
+        if from_tools is not None and (from_format or from_vllm) is not None:
+            raise InvalidRequestError(
+                "tool_choice", "a required or named tool call cannot be given with a structured output"
+            )
+        return from_tools or from_format or from_vllm
 
     def to_sampling(self, room: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

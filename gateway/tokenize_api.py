@@ -20,6 +20,7 @@ import msgspec
 from gateway.errors import APIError
 from gateway.openai_requests import ChatMessage, check_messages, decode_body, template_messages
 from gateway.state import Gateway
+from gateway.tools import ToolDef, tool_spec
 from wire.errors import InvalidRequestError
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
@@ -29,6 +30,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None  # as the chat endpoint puts them in the prompt (tool_choice auto)
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -40,6 +42,9 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not self.messages:
                 raise InvalidRequestError("messages", "must contain at least one message")
             check_messages(self.messages)
+        elif self.tools is not None:
+            raise InvalidRequestError("tools", "go with messages, not a prompt")
+        tool_spec(self.tools, None, None)
 
 
 class TokenizeResponse(msgspec.Struct, kw_only=True):
@@ -72,7 +77,7 @@ async def tokenize(gateway: Gateway, body: TokenizeRequest) -> TokenizeResponse:
     builder = gateway.builder(body.model)  # 404 for a model not served here
     max_model_len = _max_model_len(gateway, body.model)
     if body.messages is not None:
-        messages = template_messages(body.messages)
+        messages = template_messages(body.messages, tool_spec(body.tools, None, None))
         ids = await asyncio.to_thread(builder.chat_ids, messages, body.add_generation_prompt)
     else:
         assert body.prompt is not None

@@ -33,6 +33,16 @@ max_tier = "standard"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+def tool(name: str, parameters: object = None) -> dict[str, object]:
+    function: dict[str, object] = {"name": name}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
 BESIDE_PROMPT = "a stream that must not notice"
 BESIDE_TOKENS = 400  # ~2 s of mock steps: it runs through the whole table
 
@@ -114,15 +124,71 @@ BAD_REQUESTS: list[tuple[str, str, bytes | dict[str, object], dict[str, str], in
     ("priority not an integer", COMPLETIONS, completion(priority="high"), {}, 400, "priority"),
     ("unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), {}, 400, "messages[0].role"),
     (
-        "tool message",
+        "tool message without its call",
         CHAT,
-        chat(messages=[*MSG, {"role": "tool", "content": "42", "tool_call_id": "c1"}]),
+        chat(messages=[*MSG, {"role": "tool", "content": "42"}]),
         {},
         400,
-        "messages[1]",
+        "messages[1].tool_call_id",
     ),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
-    ("tool_choice", CHAT, chat(tool_choice="required"), {}, 400, "tool_choice"),
+    (
+        "tool calls on a user message",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "x", "tool_calls": [CALL]}]),
+        {},
+        400,
+        "messages[0].tool_calls",
+    ),
+    (
+        "earlier call's arguments not JSON",
+        CHAT,
+        chat(
+            messages=[
+                *MSG,
+                {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{x"}}]},
+            ]
+        ),
+        {},
+        400,
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    (
+        "tool of another type",
+        CHAT,
+        chat(tools=[{"type": "web", "function": {"name": "f"}}]),
+        {},
+        400,
+        "tools[0].type",
+    ),
+    ("tool name with a space", CHAT, chat(tools=[tool("get weather")]), {}, 400, "tools[0].function.name"),
+    ("tool given twice", CHAT, chat(tools=[tool("f"), tool("f")]), {}, 400, "tools[1].function.name"),
+    (
+        "tool parameters not an object",
+        CHAT,
+        chat(tools=[tool("f", {"type": "string"})]),
+        {},
+        400,
+        "tools[0].function.parameters",
+    ),
+    ("tool_choice required without tools", CHAT, chat(tool_choice="required"), {}, 400, "tool_choice"),
+    ("tool_choice unknown mode", CHAT, chat(tools=[tool("f")], tool_choice="always"), {}, 400, "tool_choice"),
+    (
+        "tool_choice names no tool",
+        CHAT,
+        chat(tools=[tool("f")], tool_choice={"type": "function", "function": {"name": "g"}}),
+        {},
+        400,
+        "tool_choice",
+    ),
+    (
+        "forced call with a response_format",
+        CHAT,
+        chat(tools=[tool("f")], tool_choice="required", response_format={"type": "json_object"}),
+        {},
+        400,
+        "tool_choice",
+    ),
+    ("functions (deprecated)", CHAT, chat(functions=[{"name": "f"}]), {}, 400, "functions"),
     (
         "response_format unknown type",
         CHAT,

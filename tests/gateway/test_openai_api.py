@@ -268,3 +268,44 @@ def test_gateway_imports_neither_torch_nor_transformers_nor_worker() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_tool_calls_render_as_openai_types_whole_and_streamed() -> None:
+    body = decode_chat(
+        msgspec.json.encode(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "ping"}}],
+            }
+        )
+    )
+    renderer = ChatRenderer("chatcmpl-1", "m", include_usage=False, tools=body.tool_spec())
+    call = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    whole = OpenAIChatCompletion.model_validate(
+        as_json(renderer.whole([ChoiceResult(0, "On it.\n" + call, [], "stop")], USAGE))
+    )
+    message = whole.choices[0].message
+    assert message.content == "On it." and whole.choices[0].finish_reason == "tool_calls"
+    assert message.tool_calls is not None and message.tool_calls[0].function.name == "ping"
+    pieces = ["On it.\n<tool", call[5:30], call[30:]]
+    deltas = [TokenDelta(request_id="r", epoch=0, text=p, usage=LAST.usage) for p in pieces]
+    deltas.append(TokenDelta(request_id="r", epoch=0, finish_reason="stop", usage=LAST.usage))
+    chunks = [c for d in deltas for c in renderer.chunks(0, d)]
+    parsed = [OpenAIChatCompletionChunk.model_validate(as_json(chunk)) for chunk in chunks]
+    content = "".join(c.choices[0].delta.content or "" for c in parsed)
+    calls = [t for c in parsed for t in c.choices[0].delta.tool_calls or []]
+    assert content == "On it.\n" and [(t.index, t.function and t.function.name) for t in calls] == [
+        (0, "ping")
+    ]
+    assert parsed[-1].choices[0].finish_reason == "tool_calls"
+    # Without tools the same text is content, and "stop" stays "stop".
+    plain = ChatRenderer("chatcmpl-2", "m", include_usage=False)
+    (choice,) = OpenAIChatCompletion.model_validate(
+        as_json(plain.whole([ChoiceResult(0, call, [], "stop")], USAGE))
+    ).choices
+    assert (
+        choice.message.content == call
+        and choice.finish_reason == "stop"
+        and choice.message.tool_calls is None
+    )

@@ -1,0 +1,324 @@
+"""Tool calling at the gateway: the request's tools in the prompt, the grammar that enforces a call,
+and the parser that finds calls in the model's text (streamed or whole).
+
+The prompt format is the Hermes one (as Qwen2.5 and Hermes models are trained on), used whatever the
+model's chat template, so it is documented once (docs/api.md, "Tool calling"):
+
+- the tools' signatures go into the system message, inside ``<tools></tools>``, with the instruction to
+  answer a call as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;
+- an assistant message's earlier ``tool_calls`` are written back the same way after its content;
+- ``tool`` messages become a user message of ``<tool_response>\\n...\\n</tool_response>`` blocks
+  (consecutive ones in one message).
+
+``tool_choice``: ``none`` leaves the tools out of the prompt; ``auto`` lets the model choose and parses
+what it wrote; ``required`` and a named function are enforced by a grammar (gateway/openai_requests.py
+hands it to the engine as a structured output), so the call's arguments always match the tool's
+JSON schema. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from wire.errors import InvalidRequestError
+from wire.structured import StructuredOutput
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+NAME_PATTERN = "^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+MAX_TOOLS = 128
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; None: no arguments
+    strict: bool | None = None  # every call is held to the schema whenever a grammar is used
+
+
+class ToolDef(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    """An assistant's earlier call, as the client sends the history back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+ChoiceMode = Literal["none", "auto", "required", "named"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """What a request asked for: its tools, how the model may use them, at most one call or several."""
+
+    tools: tuple[FunctionDef, ...]
+    mode: ChoiceMode
+    parallel: bool = True
+    name: str | None = None  # the function a named tool_choice asks for
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.tools)
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.mode != "none" and bool(self.tools)
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.in_prompt
+
+
+def tool_spec(
+    tools: Sequence[ToolDef] | None, choice: str | NamedToolChoice | None, parallel: bool | None
+) -> ToolSpec | None:
+    """The request's tool fields checked (400 naming the field); None when it has no tools."""
+    functions = tuple(t.function for t in tools or ())
+    if len(functions) > MAX_TOOLS:
+        raise InvalidRequestError("tools", f"at most {MAX_TOOLS} tools, got {len(functions)}")
+    names = [f.name for f in functions]
+    for i, function in enumerate(functions):
+        if names.index(function.name) != i:
+            raise InvalidRequestError(f"tools[{i}].function.name", f"{function.name!r} is given twice")
+        if function.parameters is not None and function.parameters.get("type", "object") != "object":
+            raise InvalidRequestError(
+                f"tools[{i}].function.parameters", "must be the JSON schema of an object"
+            )
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise InvalidRequestError(
+                "tool_choice", f"names {choice.function.name!r}, which is not among the tools"
+            )
+        return ToolSpec(functions, "named", parallel is not False, choice.function.name)
+    if choice not in (None, "none", "auto", "required"):
+        raise InvalidRequestError(
+            "tool_choice", f"must be none, auto, required or a function, got {choice!r}"
+        )
+    if not functions:
+        if choice in ("auto", "required"):
+            raise InvalidRequestError("tool_choice", f"{choice!r} needs tools")
+        return None
+    mode: ChoiceMode = "auto" if choice is None else choice  # type: ignore[assignment]
+    return ToolSpec(functions, mode, parallel is not False)
+
+
+# ---------------------------------------------------------------- the prompt
+
+
+def system_prompt(spec: ToolSpec) -> str:
+    """The tools section of the system message."""
+    signatures = "\n".join(json.dumps({"type": "function", "function": _signature(f)}) for f in spec.tools)
+    text = (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{signatures}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+    if spec.mode == "named":
+        text += f"\n\nCall the function {spec.name}."
+    elif spec.mode == "required":
+        text += "\n\nYou must call at least one function." if spec.parallel else "\n\nCall one function."
+    return text
+
+
+def _signature(function: FunctionDef) -> dict[str, object]:
+    out: dict[str, object] = {"name": function.name}
+    if function.description is not None:
+        out["description"] = function.description
+    out["parameters"] = function.parameters if function.parameters is not None else {"type": "object"}
+    return out
+
+
+def call_text(name: str, arguments: object) -> str:
+    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CALL_CLOSE}"
+
+
+def history_calls_text(calls: Sequence[ToolCallIn], field_prefix: str) -> str:
+    """An assistant's earlier calls as the model wrote them; their arguments must be JSON."""
+    blocks = []
+    for j, call in enumerate(calls):
+        try:
+            arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+        except (ValueError, RecursionError):
+            raise InvalidRequestError(
+                f"{field_prefix}.tool_calls[{j}].function.arguments", "must be JSON text"
+            ) from None
+        blocks.append(call_text(call.function.name, arguments))
+    return "\n".join(blocks)
+
+
+def response_text(content: str) -> str:
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+# ---------------------------------------------------------------- the grammar
+
+
+def grammar(spec: ToolSpec) -> StructuredOutput | None:
+    """The grammar a ``required`` or named tool_choice is held to (None for ``none``/``auto``): one call
+    (named, or not parallel) or calls separated by a newline, each a tool's name and arguments valid
+    against its schema."""
+    if spec.mode not in ("required", "named"):
+        return None
+    tools = [t for t in spec.tools if spec.mode == "required" or t.name == spec.name]
+    rules = []
+    for i, tool in enumerate(tools):
+        body = {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool.name},
+                "arguments": tool.parameters if tool.parameters is not None else {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+            # As the prompt shows a call (json.dumps' separators), with no other whitespace.
+            "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+        }
+        rules.append(f"tool_{i}: %json {json.dumps(body)}")
+    repeat = ' ("\\n" call)*' if spec.parallel and spec.mode == "required" else ""
+    lark = "\n".join(
+        [
+            f"start: call{repeat}",
+            f'call: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"',
+            "body: " + " | ".join(f"tool_{i}" for i in range(len(tools))),
+            *rules,
+        ]
+    )
+    return StructuredOutput(
+        kind="grammar", spec=lark, field="tool_choice" if spec.mode == "named" else "tools"
+    )
+
+
+# ---------------------------------------------------------------- parsing the model's text
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(slots=True)
+class CallParser:
+    """Feeds on the model's text as it streams; hands out the content between calls and each call
+    once its block closes. Text that may still become ``<tool_call>`` is held back until it cannot.
+    A block whose body is not a call of one of the tools (not JSON, an unknown name) is content. With
+    ``parallel`` false only the first call is kept. ``finish`` flushes what is held."""
+
+    spec: ToolSpec
+    calls: list[ParsedCall] = field(default_factory=list)
+    _held: str = ""
+    _in_call: bool = False
+    _gap: str = ""  # whitespace since the last call: content only if more text follows it
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        self._held += text
+        content: list[str] = []
+        found: list[ParsedCall] = []
+        while True:
+            if self._in_call:
+                end = self._held.find(CALL_CLOSE)
+                if end < 0:
+                    break
+                body, self._held = self._held[:end], self._held[end + len(CALL_CLOSE) :]
+                self._in_call = False
+                call = self._call(body)
+                if call is None:
+                    self._emit(CALL_OPEN + body + CALL_CLOSE, content)
+                elif self.spec.parallel or not self.calls:
+                    self.calls.append(call)
+                    found.append(call)
+                    self._gap = ""  # the newlines between calls are not content
+                continue
+            start = self._held.find(CALL_OPEN)
+            if start >= 0:
+                self._emit(self._held[:start], content)
+                self._held = self._held[start + len(CALL_OPEN) :]
+                self._in_call = True
+                continue
+            keep = _partial_suffix(self._held, CALL_OPEN)
+            self._emit(self._held[: len(self._held) - keep], content)
+            self._held = self._held[len(self._held) - keep :]
+            break
+        return "".join(content), found
+
+    def finish(self) -> str:
+        """What is still held (an unclosed block, a partial tag), as content; trailing whitespace
+        after the last call is dropped."""
+        content: list[str] = []
+        self._emit((CALL_OPEN if self._in_call else "") + self._held, content)
+        self._held, self._in_call, self._gap = "", False, ""
+        return "".join(content)
+
+    def _emit(self, text: str, out: list[str]) -> None:
+        if not self.calls:
+            out.append(text)
+            return
+        self._gap += text
+        if self._gap.strip():
+            out.append(self._gap)
+            self._gap = ""
+
+    def _call(self, body: str) -> ParsedCall | None:
+        try:
+            value = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(value, dict) or value.get("name") not in self.spec.names:
+            return None
+        arguments = value.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as JSON text
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments))
+
+
+def parse_whole(spec: ToolSpec, text: str) -> tuple[str | None, list[ParsedCall]]:
+    """The content (None when there are calls and nothing else) and the calls in a whole answer."""
+    parser = CallParser(spec)
+    content, calls = parser.feed(text)
+    content += parser.finish()
+    if not calls:
+        return content, []
+    content = content.strip()
+    return content or None, calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
