@@ -8,6 +8,7 @@ gateway/app.py runs both through one handler, gateway/placement.py places both t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -18,11 +19,12 @@ from gateway.openai_api import ChatRenderer, CompletionRenderer, Renderer
 from gateway.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
+    chat_prompt,
     decode_chat,
     decode_completion,
     template_messages,
 )
-from gateway.tokenizer import PromptBuilder, TemplateError, chat_ids_async, text_ids_async
+from gateway.tokenizer import PromptBuilder, TemplateError, text_ids_async
 from gateway.tools import ToolSpec
 
 Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
@@ -53,13 +55,16 @@ class Endpoint(Generic[Body]):
 
 
 def chat_prompts(body: ChatCompletionRequest, max_prompts: int) -> Prompts:
-    """The messages, content flattened to text, as one prompt through the model's chat template (tools,
-    earlier calls and tool results in the default tool format: gateway/tools.py)."""
-    messages = template_messages(body.messages, body.tool_spec())
+    """The messages, content flattened to text, as one prompt through the placed model's chat template:
+    tools, earlier calls and tool results through the template where it takes tools, else in the
+    default tool format (gateway/tools.py)."""
+    spec = body.tool_spec()
+    messages = template_messages(body.messages, spec)  # bad calls in the history: a 400 now
 
     async def tokenize(builder: PromptBuilder) -> list[list[int]]:
+        rendered, tools = chat_prompt(body.messages, spec, builder.supports_tools)
         try:
-            return [await chat_ids_async(builder, messages)]
+            return [await asyncio.to_thread(builder.chat_ids, rendered, True, tools)]
         except TemplateError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None
 

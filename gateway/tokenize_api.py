@@ -18,7 +18,7 @@ import asyncio
 import msgspec
 
 from gateway.errors import APIError
-from gateway.openai_requests import ChatMessage, check_messages, decode_body, template_messages
+from gateway.openai_requests import ChatMessage, chat_prompt, check_messages, decode_body
 from gateway.state import Gateway
 from gateway.tools import ToolDef, tool_spec
 from wire.errors import InvalidRequestError
@@ -77,8 +77,10 @@ async def tokenize(gateway: Gateway, body: TokenizeRequest) -> TokenizeResponse:
     builder = gateway.builder(body.model)  # 404 for a model not served here
     max_model_len = _max_model_len(gateway, body.model)
     if body.messages is not None:
-        messages = template_messages(body.messages, tool_spec(body.tools, None, None))
-        ids = await asyncio.to_thread(builder.chat_ids, messages, body.add_generation_prompt)
+        messages, tools = chat_prompt(
+            body.messages, tool_spec(body.tools, None, None), builder.supports_tools
+        )
+        ids = await asyncio.to_thread(builder.chat_ids, messages, body.add_generation_prompt, tools)
     else:
         assert body.prompt is not None
         ids = await asyncio.to_thread(builder.text_ids, body.prompt, body.add_special_tokens)

@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2.ext
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from wire.byte_tokenizer import BYTE_OFFSET, VOCAB_SIZE, ByteTokenizer, token_name
 
-Message = Mapping[str, str]  # {"role": ..., "content": ...}, content already flattened to text
+# {"role": ..., "content": ...}, content already flattened to text; with a template that takes tools,
+# also an assistant's "tool_calls" and a tool message's "tool_call_id" (Hugging Face's conventions).
+Message = Mapping[str, Any]
 
 _SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -40,7 +43,19 @@ _SPECIAL_TOKEN_KEYS = (
 
 
 class PromptBuilder(Protocol):
-    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]: ...
+    def chat_ids(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """``tools``: only for a builder whose template takes them (``supports_tools``)."""
+        ...
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` (and tool calls and results) itself."""
+        ...
 
     def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
@@ -62,12 +77,22 @@ class BytePromptBuilder:
     def __init__(self) -> None:
         self._tokenizer = ByteTokenizer()
 
-    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        assert tools is None, "the byte tokenizer's template has no tools"
         ids = self._tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True
         )
         assert isinstance(ids, list)
         return ids
+
+    @property
+    def supports_tools(self) -> bool:
+        return False
 
     def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # As Engine.add_request encodes a string prompt: no special tokens added (by default).
@@ -104,18 +129,35 @@ class HFPromptBuilder:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         self._template = env.from_string(source)
+        self._supports_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         self._special_tokens = {key: _token_text(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
         self._byte_level = type(self._tokenizer.decoder).__name__ == "ByteLevel"
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        extra = {} if tools is None else {"tools": [dict(t) for t in tools]}
         return self._template.render(
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
+            **extra,
             **self._special_tokens,
         )
 
-    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        return self.text_ids(self.render(messages, add_generation_prompt))
+    def chat_ids(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        return self.text_ids(self.render(messages, add_generation_prompt, tools))
+
+    @property
+    def supports_tools(self) -> bool:
+        return self._supports_tools
 
     def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)

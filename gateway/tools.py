@@ -1,8 +1,9 @@
 """Tool calling at the gateway: the request's tools in the prompt, the grammar that enforces a call,
 and the parser that finds calls in the model's text (streamed or whole).
 
-The prompt format is the Hermes one (as Qwen2.5 and Hermes models are trained on), used whatever the
-model's chat template, so it is documented once (docs/api.md, "Tool calling"):
+A chat template that takes ``tools`` renders them itself (openai_requests.chat_prompt). For any other
+the prompt format is the Hermes one (as Qwen2.5 and Hermes models are trained on), documented in
+docs/api.md ("Tool calling"); calls are read in that format either way:
 
 - the tools' signatures go into the system message, inside ``<tools></tools>``, with the instruction to
   answer a call as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;
@@ -160,18 +161,28 @@ def call_text(name: str, arguments: object) -> str:
     return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CALL_CLOSE}"
 
 
-def history_calls_text(calls: Sequence[ToolCallIn], field_prefix: str) -> str:
-    """An assistant's earlier calls as the model wrote them; their arguments must be JSON."""
-    blocks = []
+def history_arguments(calls: Sequence[ToolCallIn], field_prefix: str) -> list[object]:
+    """An assistant's earlier calls' arguments, decoded (they must be JSON text; empty is ``{}``)."""
+    out = []
     for j, call in enumerate(calls):
         try:
-            arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+            out.append(json.loads(call.function.arguments) if call.function.arguments.strip() else {})
         except (ValueError, RecursionError):
             raise InvalidRequestError(
                 f"{field_prefix}.tool_calls[{j}].function.arguments", "must be JSON text"
             ) from None
-        blocks.append(call_text(call.function.name, arguments))
-    return "\n".join(blocks)
+    return out
+
+
+def history_calls_text(calls: Sequence[ToolCallIn], field_prefix: str) -> str:
+    """An assistant's earlier calls as the model wrote them."""
+    arguments = history_arguments(calls, field_prefix)
+    return "\n".join(call_text(c.function.name, a) for c, a in zip(calls, arguments, strict=True))
+
+
+def template_tools(spec: ToolSpec) -> list[dict[str, Any]]:
+    """The tools as a chat template that takes them expects (OpenAI's shape)."""
+    return [{"type": "function", "function": _signature(f)} for f in spec.tools]
 
 
 def response_text(content: str) -> str:

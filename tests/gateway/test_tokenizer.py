@@ -58,3 +58,67 @@ def test_template_raise_exception_is_a_template_error(tmp_path: Path) -> None:
     (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(TemplateError, match="alternate"):
         HFPromptBuilder(tmp_path).chat_ids([{"role": "user", "content": "x"}])
+
+
+# A template that takes tools, as Qwen2.5's does (shortened): tools in the system turn, calls and
+# results in its own tags.
+TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}{%- for message in messages %}<|im_start|>{{ message.role }}
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for call in message.tool_calls or [] %}
+<call>{{ call.function.name }}{{ call.function.arguments | tojson }}</call>
+{%- endfor %}
+{%- if message.role == 'tool' %}[{{ message.tool_call_id }}]{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@needs_model
+def test_a_template_that_takes_tools_renders_them_itself(tmp_path: Path) -> None:
+    import shutil
+
+    import msgspec
+
+    from gateway.openai_requests import ChatCompletionRequest, chat_prompt
+
+    shutil.copy(default_model_dir() / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    builder = HFPromptBuilder(tmp_path)
+    assert builder.supports_tools and not HFPromptBuilder(default_model_dir()).supports_tools
+    body = msgspec.json.decode(
+        msgspec.json.encode(
+            {
+                "model": "m",
+                "tools": [
+                    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+                ],
+                "messages": [
+                    {"role": "user", "content": "ping it"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "ping", "arguments": '{"n": 1}'},
+                            }
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "pong"},
+                ],
+            }
+        ),
+        type=ChatCompletionRequest,
+    )
+    messages, tools = chat_prompt(body.messages, body.tool_spec(), builder.supports_tools)
+    text = builder.render(messages, True, tools)
+    assert text.startswith('<|im_start|>system\n{"type": "function", "function": {"name": "ping"')
+    assert '<call>ping{"n": 1}</call>' in text and "<|im_start|>tool\npong[c1]<|im_end|>" in text
+    assert "<tool_call>" not in text and "# Tools" not in text  # not the default format
+    assert builder.chat_ids(messages, True, tools) == builder.text_ids(text)
+    # tool_choice none: the template gets no tools, the history still renders its way.
+    body = msgspec.structs.replace(body, tool_choice="none")
+    messages, tools = chat_prompt(body.messages, body.tool_spec(), builder.supports_tools)
+    assert tools is None and "<call>ping" in builder.render(messages, True, tools)
