@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -43,8 +44,9 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def render(config: ServerConfig, *, source: str | None = None) -> str:
-    """``config`` as TOML with every policy's parameters and the comments described above."""
+def render(config: ServerConfig, *, source: str | None = None, floors: Path | None = None) -> str:
+    """``config`` as TOML with every policy's parameters and the comments described above (the step
+    floors read from ``floors``, else the cache's)."""
     from policies.registry import effective_params
     from tierserve.feasibility import tier_notes
 
@@ -60,5 +62,5 @@ def render(config: ServerConfig, *, source: str | None = None) -> str:
         "": (f"tierserve's effective configuration ({where}), from `tierserve config show`.",),
         "policies": POLICIES_NOTE,
     }
-    comments.update(tier_notes(config))
+    comments.update(tier_notes(config, floors))
     return dumps(tree, comments)

@@ -249,13 +249,14 @@ class Engine:
         return len(self._states)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its blocks go back to the pool. False if unknown."""
+        """Drop a request wherever it is (its grammar still compiling included: the observer hears of
+        it either way); its blocks go back to the pool. False if unknown."""
+        self.observer.on_abort(request_id)
         compiling = self._compiling.pop(request_id, None)
         if compiling is not None:
             compiling.cancel()
             return self._states.pop(request_id, None) is not None
         self._states.pop(request_id, None)
-        self.observer.on_abort(request_id)
         return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
 
     def end(self, request_id: str, reason: FinishReason, error: str | None = None) -> RequestOutput:

@@ -15,6 +15,7 @@ from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.models.store import pull_default_model
 from worker.request import FinishReason
+from worker.tracing import NULL_OBSERVER, NullObserver
 
 pytestmark = [pytest.mark.slow, pytest.mark.isa]
 
@@ -98,3 +99,20 @@ def test_a_grammar_the_engine_refuses_ends_only_its_own_request(engine: Engine) 
     assert outputs[bad].finish_reason is FinishReason.ERROR
     assert outputs[bad].error is not None and "structured_outputs.regex" in outputs[bad].error
     assert outputs[good].finish_reason is FinishReason.LENGTH
+
+
+def test_aborting_a_request_whose_grammar_compiles_tells_the_observer(engine: Engine) -> None:
+    # The tracing observer keeps a live span per request until it hears the request ended.
+    aborted: list[str] = []
+
+    class Recording(NullObserver):
+        def on_abort(self, request_id: str) -> None:
+            aborted.append(request_id)
+
+    engine.observer = Recording()
+    try:
+        request_id = engine.add_request(chat(engine, "Hi"), params("json", json.dumps(PERSON)))
+        assert engine.abort(request_id) and aborted == [request_id]
+        assert not engine.has_unfinished() and engine.abort(request_id) is False
+    finally:
+        engine.observer = NULL_OBSERVER
