@@ -67,8 +67,9 @@ class SloBudget:
     requests. A request whose first token is due (its TTFT deadline not yet passed) may take the step
     on to its whole remaining prefill beside the streams' decodes, within the same time in hand
     (``StepTimeLimit.first_token_ms``): one long step instead of a prompt chunked between 80 ms
-    steps, when the streams can afford it; everyone else's tokens stay within the plain limit, and
-    which due request gets the time is the ordering's say. With no TPOT target in force the limit is
+    steps, when the streams can afford it; before it in the order everyone's tokens stay within the
+    plain limit (after it, what is left is anyone's), and which due request gets the time is the
+    ordering's say. With no TPOT target in force the limit is
     ``idle_ttft_fraction`` of the strictest TTFT target seen so far (``assumed_ttft_ms``
     until one is seen), so batch prefill comes in pieces an urgent arrival does not wait long
     behind; ``idle_ttft_fraction = 0`` gives such steps the ceilings.

@@ -64,17 +64,14 @@ class StepTimeLimit:
 
     ``first_token_ms`` lengthens the step for requests whose first token is due: such a request's
     tokens may take the step on to its own ceiling there (typically its whole remaining prefill
-    beside the streams' decodes), everyone else's stay within ``max_ms``. Which due request gets
-    the time is the ordering's say (whichever comes first); the time is not spent on others'
-    prefill chunks that come before it."""
+    beside the streams' decodes), and once it is in the step, so may the tokens of everyone after
+    it in the order; before it, everyone's stay within ``max_ms``. Which due request gets the time
+    is the ordering's say (whichever comes first); the time is not spent on others' prefill chunks
+    that come before it."""
 
     cost: StepCost
     max_ms: float
     first_token_ms: Mapping[str, float] = field(default_factory=dict)
-
-    def limit_ms(self, request_id: str) -> float:
-        """How far into the step ``request_id``'s tokens may go."""
-        return max(self.max_ms, self.first_token_ms.get(request_id, self.max_ms))
 
 
 TOKEN_SCALE = 256.0  # features are fitted in these units, so all four are of order 1

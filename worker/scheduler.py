@@ -13,7 +13,8 @@ other requests keep decoding in the same step. Each step:
      out and a prefill chunk is shortened to fit (never below ``MIN_CHUNK_TOKENS`` unless that is
      all it has left); the step's first request always runs (its prefill chunk cut to the limit
      too, to no less than ``MIN_CHUNK_TOKENS``); a request whose first token is due may go on to
-     its own ceiling (``StepTimeLimit.first_token_ms``), everyone else stays within ``max_ms``;
+     its own ceiling (``StepTimeLimit.first_token_ms``), and once it is in the step so may everyone
+     after it; before it, everyone stays within ``max_ms``;
   3. when a running request needs a block and none is free, the preemption policy picks a victim
      among the running (possibly the request itself): its blocks are freed (full ones stay cached)
      and it is recomputed later; once anyone was preempted, nobody else is admitted this step;
@@ -48,21 +49,27 @@ MIN_CHUNK_TOKENS = 16  # a chunk a time limit cuts shorter than this waits for t
 class _StepClock:
     """The predicted time of the step being built, against the budget's limit (None: no limit, every
     request fits). Time charged for a request that is later preempted in the same step is not given
-    back (the step only gets shorter)."""
+    back (the step only gets shorter).
+
+    Everyone's tokens fit within ``open_ms``: the limit's ``max_ms``, raised to a due first token's
+    own ceiling (``limit.first_token_ms``) once that request is in the step. So the longer step is
+    not spent before the request it is for, and what it leaves is anyone's after it."""
 
     limit: StepTimeLimit | None
     spent_ms: float = 0.0
+    open_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.limit is not None:
             self.spent_ms = self.limit.cost.fixed_ms
+            self.open_ms = self.limit.max_ms
 
     def allowed(self, request_id: str, num_new: int, context_before: int, is_first: bool) -> int:
-        """How many of ``num_new`` tokens after ``context_before`` fit (0: sit this step out): within
-        ``limit.limit_ms(request_id)``: ``max_ms``, or a due first token's own ceiling."""
+        """How many of ``num_new`` tokens after ``context_before`` fit (0: sit this step out)."""
         if self.limit is None:
             return num_new
-        cost, room = self.limit.cost, self.limit.limit_ms(request_id) - self.spent_ms
+        ceiling = max(self.open_ms, self.limit.first_token_ms.get(request_id, 0.0))
+        cost, room = self.limit.cost, ceiling - self.spent_ms
         if num_new == 1:
             return 1 if is_first or cost.decode_ms(context_before + 1) <= room else 0
         num_fit = min(num_new, cost.chunk_tokens_within(room, context_before))
@@ -71,7 +78,7 @@ class _StepClock:
             return max(num_fit, least)
         return num_fit if num_fit >= least else 0
 
-    def charge(self, num_new: int, context_before: int) -> None:
+    def charge(self, request_id: str, num_new: int, context_before: int) -> None:
         if self.limit is None:
             return
         cost = self.limit.cost
@@ -79,6 +86,7 @@ class _StepClock:
             self.spent_ms += cost.decode_ms(context_before + 1)
         else:
             self.spent_ms += cost.chunk_ms(num_new, context_before)
+        self.open_ms = max(self.open_ms, self.limit.first_token_ms.get(request_id, 0.0))
 
 
 @dataclass(slots=True)
@@ -205,7 +213,7 @@ class Scheduler:
             returned += out.num_scheduled_tokens.pop(victim.request_id, 0)
             if victim is request:
                 return -returned
-        clock.charge(num_new, request.num_computed_tokens)
+        clock.charge(request.request_id, num_new, request.num_computed_tokens)
         out.num_scheduled_tokens[request.request_id] = num_new
         return num_new - returned
 
@@ -238,7 +246,7 @@ class Scheduler:
             if given is None:
                 return None
             returned += given
-        clock.charge(num_new, num_before)
+        clock.charge(request.request_id, num_new, num_before)
         if request.status is RequestStatus.WAITING:
             request.num_cached_tokens = len(hits) * self.kv_cache.block_size
         request.status = RequestStatus.RUNNING
