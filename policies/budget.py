@@ -130,7 +130,8 @@ class SloBudget:
         first_token_ms = {
             r.request_id: step_ms
             for r in (*running, *waiting)
-            if is_due(r, now) and (step_ms := min(first_token_step_ms(cost, streams, r), in_hand)) > shared_ms
+            if is_due(r, now, late_too=not streams)
+            and (step_ms := min(first_token_step_ms(cost, streams, r), in_hand)) > shared_ms
         }
         return StepTimeLimit(cost, shared_ms, first_token_ms)
 
@@ -165,10 +166,13 @@ class SloBudget:
                     self.strictest_ttft_ms = ttft_ms
 
 
-def is_due(r: SeqView, now: float) -> bool:
+def is_due(r: SeqView, now: float, late_too: bool = False) -> bool:
     """Whether ``r``'s first token is due: it has a TTFT deadline, not yet passed (past it, one long
-    step would no longer save its SLO), and no first token."""
-    return r.first_token_time is None and r.ttft_deadline is not None and r.ttft_deadline > now
+    step would no longer save its SLO and would hold back the streams beside it; ``late_too`` when no
+    stream runs, so a late prompt alone is not chunked for nobody), and no first token."""
+    if r.first_token_time is not None or r.ttft_deadline is None:
+        return False
+    return late_too or r.ttft_deadline > now
 
 
 def first_token_step_ms(cost: StepCost, streams: Sequence[SeqView], request: SeqView) -> float:

@@ -109,6 +109,9 @@ def test_a_due_first_token_gets_one_long_step_when_the_streams_have_time_in_hand
     fresh = View("f", tier_rank=0, tpot_ms=100.0, first_token_time=10.5, num_output_tokens=1)
     limit = policy.budget([stream, fresh], [prompt], StepLimits(4096, 64, now=10.5)).time_limit
     assert limit is not None and limit.max_ms == pytest.approx(80.0) and not limit.first_token_ms
+    # Late but alone (no stream to hold back): the prompt still gets its one step (10 + 0.5 · 400).
+    limit = policy.budget([], [prompt], StepLimits(4096, 64, now=11.2)).time_limit
+    assert limit is not None and limit.first_token_ms == {"p": pytest.approx(210.0)}
     # A stream behind its target asks for steps of 40 ms (half of 0.8 · 100) to catch up.
     late = View("l", tier_rank=0, tpot_ms=100.0, first_token_time=9.0, num_output_tokens=5)
     limit = policy.budget([late], [], StepLimits(4096, 64, now=10.5)).time_limit
@@ -118,6 +121,9 @@ def test_a_due_first_token_gets_one_long_step_when_the_streams_have_time_in_hand
     ahead = replace(stream, num_output_tokens=20)
     limit = policy.budget([ahead], [prompt], StepLimits(4096, 64, now=11.2)).time_limit
     assert limit is not None and limit.max_ms == pytest.approx(80.0) and not limit.first_token_ms
+    # Late but alone (no stream to hold back): the prompt still gets its one step (10 + 0.5 · 400).
+    limit = policy.budget([], [prompt], StepLimits(4096, 64, now=11.2)).time_limit
+    assert limit is not None and limit.first_token_ms == {"p": pytest.approx(210.0)}
 
 
 def test_batch_steps_come_in_pieces_once_an_urgent_tier_was_seen() -> None:
