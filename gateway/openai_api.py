@@ -203,7 +203,7 @@ class ChatRenderer:
         self.model = model
         self.include_usage = include_usage
         self.texts = texts
-        self.tools = tools if tools is not None and tools.parses_calls else None
+        self.tools = tools if tools is not None and tools.in_prompt else None
         self.created = int(time.time())
         self._parsers: dict[int, CallParser] = {}  # choice index → its stream's parser
 

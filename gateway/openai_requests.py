@@ -227,18 +227,16 @@ def template_messages(messages: Sequence[ChatMessage], spec: ToolSpec | None = N
     for i, m in enumerate(messages):
         if m.role == "tool":
             block = tools.response_text(m.text())
-            if out and out[-1].get("tool_results") == "1":
+            if i and messages[i - 1].role == "tool":  # consecutive results: one user message
                 out[-1]["content"] += "\n" + block
             else:
-                out.append({"role": "user", "content": block, "tool_results": "1"})
+                out.append({"role": "user", "content": block})
             continue
         content = m.text()
         if m.tool_calls:
             calls = tools.history_calls_text(m.tool_calls, f"messages[{i}]")
             content = f"{content}\n{calls}" if content else calls
         out.append({"role": m.template_role(), "content": content})
-    for message in out:
-        message.pop("tool_results", None)
     if spec is not None and spec.in_prompt:
         section = tools.system_prompt(spec)
         if out and out[0]["role"] == "system":

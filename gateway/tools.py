@@ -88,11 +88,8 @@ class ToolSpec:
 
     @property
     def in_prompt(self) -> bool:
+        """The tools go into the prompt, and calls are parsed out of the answer."""
         return self.mode != "none" and bool(self.tools)
-
-    @property
-    def parses_calls(self) -> bool:
-        return self.in_prompt
 
 
 def tool_spec(

@@ -126,7 +126,8 @@ class SloBudget:
         floor_ms = self.params.min_step_factor * cost.floor_ms
         shared_ms = max(floor_ms, min(self.params.safety * target, in_hand))
         # Each due first token may lengthen the step to its whole prompt beside the streams'
-        # decodes, within the time in hand; everyone else's tokens stay within the plain step.
+        # decodes, within the time in hand; before it in the order, everyone stays within the plain
+        # step (the scheduler's _StepClock opens the rest to those after it).
         first_token_ms = {
             r.request_id: step_ms
             for r in (*running, *waiting)

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, Field
 
 from loadtest.launch import running_server
@@ -67,8 +68,8 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def test_a_required_call_has_arguments_that_validate_against_its_schema(client: openai.OpenAI) -> None:
-    completion = client.chat.completions.create(
+def one_required_call(client: openai.OpenAI) -> ChatCompletion:
+    return client.chat.completions.create(
         model=DEFAULT_MODEL,
         messages=ASK,
         tools=TOOLS,
@@ -77,6 +78,10 @@ def test_a_required_call_has_arguments_that_validate_against_its_schema(client: 
         max_tokens=96,
         temperature=0,
     )
+
+
+def test_a_required_call_has_arguments_that_validate_against_its_schema(client: openai.OpenAI) -> None:
+    completion = one_required_call(client)
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls", choice.message
     calls = choice.message.tool_calls or []
@@ -111,15 +116,7 @@ def test_a_named_call_streams_as_delta_tool_calls(client: openai.OpenAI) -> None
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_two_turn_loop_call_then_result_then_answer(client: openai.OpenAI, stream: bool) -> None:
-    first = client.chat.completions.create(
-        model=DEFAULT_MODEL,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=96,
-        temperature=0,
-    )
+    first = one_required_call(client)
     message = first.choices[0].message
     assert message.tool_calls, message
     history: list[Any] = [
