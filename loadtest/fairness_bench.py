@@ -10,10 +10,16 @@ floods another gateway of the same fleet, in one run.
 
 Both tenants' requests are of one tier and no gateway sees the other's traffic, so whatever protects
 light is the worker's ordering (``tiered``: fair between tenants within a tier). Light's seeded load
-runs for ``--duration`` seconds twice on the same fleet: alone (the baseline), then once the flood has
+runs twice on the same fleet, for ``--duration`` seconds each: alone (the baseline), then once the flood has
 filled the worker's queue (its waiting requests, from the heartbeats B shows), with the same lengths
 and arrival times but another text (so the second phase gets no prefix hits from the first). Every request is
 streamed and waited for (client timeout ``--timeout``).
+
+Light is light on any machine: without ``--light-rate`` its rate is set so that alone it keeps the
+worker busy ``--light-load`` of the time (0.2: one light request is first timed alone, a few sent
+one at a time), and each phase lasts long enough for ``--light-requests`` of them (at most
+4 minutes). A fixed rate would be a light load on a fast machine and half of a slow one, where
+under the flood a fair share (half) barely covers it and it queues behind itself.
 
 Figures: light's TTFT p50 and p99 alone and under the flood, ``fairness_ttft_ratio`` (p99 under the
 flood / p99 alone: 1 is perfect isolation), heavy's output tokens/s and completed requests, the
@@ -58,14 +64,16 @@ TENANTS = {"heavy": "heavy-key", "light": "light-key"}  # tenant → its API key
 class Defaults:
     """What differs between the mock and the real run; the flags fill in what is not given."""
 
-    duration_s: float
-    light_rate: float
+    duration_s: float | None  # None: long enough for --light-requests at the light rate
+    light_rate: float | None  # None: calibrated to --light-load of this worker
     heavy_concurrency: int
     max_num_seqs: int
 
 
 MOCK = Defaults(duration_s=10.0, light_rate=4.0, heavy_concurrency=64, max_num_seqs=16)
-REAL = Defaults(duration_s=30.0, light_rate=1.0, heavy_concurrency=32, max_num_seqs=8)
+REAL = Defaults(duration_s=None, light_rate=None, heavy_concurrency=32, max_num_seqs=8)
+PROBE_REQUESTS = 6  # light requests sent one at a time to time one alone (the first one warms up)
+MAX_DURATION_S = 240.0
 
 
 def progress(message: str) -> None:
@@ -77,6 +85,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--mock", action="store_true", help="a mock worker (a plumbing check, no model)")
     parser.add_argument("--duration", type=float, default=None, help="seconds of light's load, per phase")
     parser.add_argument("--light-rate", type=float, default=None, help="light's Poisson rate, req/s")
+    parser.add_argument(
+        "--light-load",
+        type=float,
+        default=0.2,
+        help="real, without --light-rate: light's rate is set so that alone it keeps the worker busy "
+        "this fraction of the time (one light request timed alone first)",
+    )
+    parser.add_argument(
+        "--light-requests", type=int, default=30, help="without --duration: light's requests per phase"
+    )
     parser.add_argument("--light-prompt-len", type=parse_range, default=(32, 128), metavar="LO:HI")
     parser.add_argument("--light-output-len", type=parse_range, default=(16, 32), metavar="LO:HI")
     parser.add_argument("--heavy-concurrency", type=int, default=None, help="heavy's requests in flight")
@@ -125,6 +143,21 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         tier = args.tier or ServerConfig().default_tier
         light_target = Target("base", gw_b.base_url, model, tier)
         heavy_target = Target("base", gw_a.base_url, model, tier)
+        if args.light_rate is None:
+            probe_work = Workload(
+                "chat",
+                tokenizer,
+                Api.CHAT,
+                args.seed,
+                dataclasses.replace(light_options, text_variant="/probe"),
+            )
+            service_s = asyncio.run(_service_time(light_target, probe_work, args))
+            args.light_rate = round(args.light_load / service_s, 3)
+            progress(f"one light request alone takes {service_s:.2f} s: light at {args.light_rate:g} req/s")
+        else:
+            service_s = None
+        if args.duration is None:
+            args.duration = round(min(MAX_DURATION_S, args.light_requests / args.light_rate), 1)
         alone = _summary(asyncio.run(_light(light_target, light_work, args)).records)
         progress(f"alone: light TTFT p99 {fmt(alone.ttft_ms.p99)} ms over {alone.num_ok} requests")
         flood_light, heavy = asyncio.run(
@@ -152,6 +185,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             f"chat through gateway A: closed loop of {args.heavy_concurrency}, prompt "
             f"{_span(args.heavy_prompt_len)}, output {_span(args.heavy_output_len)} tokens"
         ),
+        "light_rate": args.light_rate,
+        # light's share of the worker's time alone: rate × one request's time alone (when timed)
+        "light_load": None if service_s is None else round(args.light_rate * service_s, 3),
         "seed": args.seed,
         **fairness_figures(alone, flood, _summary(heavy.records)),
         "worker_preemptions": preemptions,
@@ -241,6 +277,19 @@ async def _light(target: Target, workload: Workload, args: argparse.Namespace) -
     arrivals = ArrivalSpec(args.light_rate, ArrivalKind.POISSON)
     bounds = Bounds(None, args.duration, None)
     return await run_load([target], workload, arrivals, args.seed, bounds, _options("light", args))
+
+
+async def _service_time(target: Target, workload: Workload, args: argparse.Namespace) -> float:
+    """Seconds one light request takes alone: the mean latency of a few sent one at a time, the
+    first (warm-up) left out."""
+    bounds = Bounds(PROBE_REQUESTS, None, 1)
+    result = await run_load(
+        [target], workload, ArrivalSpec(None), args.seed + 2, bounds, _options("light", args)
+    )
+    records = sorted((r for r in result.records if r.is_ok), key=lambda r: r.t_sent)[1:]
+    if not records:
+        raise RuntimeError("no light request completed while timing one alone")
+    return sum(r.t_end - r.t_sent for r in records) / len(records)
 
 
 async def _flooded(

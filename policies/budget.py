@@ -9,7 +9,8 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from policies.base import NoParams, SeqView, StepBudget, StepLimits, StepReport
-from policies.step_time import StepCost, StepTimeLimit, StepTimeModel
+from policies.step_time import MIN_CHUNK_TOKENS, StepCost, StepTimeLimit, StepTimeModel
+from policies.tenant_service import SlotShares, slot_shares
 
 
 class Static:
@@ -69,7 +70,10 @@ class SloBudget:
     (``StepTimeLimit.first_token_ms``): one long step instead of a prompt chunked between 80 ms
     steps, when the streams can afford it; before it in the order everyone's tokens stay within the
     plain limit (after it, what is left is anyone's), and which due request gets the time is the
-    ordering's say. With no TPOT target in force the limit is
+    ordering's say. A due first token of a tenant within its fair share of its tier's slots is not
+    bounded by the time in hand of the streams of the tier's tenants over theirs
+    (:func:`holding_back`), and any first token still to come may have one minimal chunk
+    (``MIN_CHUNK_TOKENS``) beside the streams' decodes, so no prompt waits for every stream to end. With no TPOT target in force the limit is
     ``idle_ttft_fraction`` of the strictest TTFT target seen so far (``assumed_ttft_ms``
     until one is seen), so batch prefill comes in pieces an urgent arrival does not wait long
     behind; ``idle_ttft_fraction = 0`` gives such steps the ceilings.
@@ -104,9 +108,7 @@ class SloBudget:
         target = self.target_ms(running, waiting)
         if target is None and self.params.idle_ttft_fraction == 0:
             return ceilings
-        limit = (
-            self._idle_limit() if target is None else self._stream_limit(target, running, waiting, limits.now)
-        )
+        limit = self._idle_limit() if target is None else self._stream_limit(target, running, waiting, limits)
         return StepBudget(ceilings.max_num_tokens, ceilings.max_num_seqs, limit)
 
     def _idle_limit(self) -> StepTimeLimit:
@@ -117,10 +119,10 @@ class SloBudget:
         return StepTimeLimit(cost, max(self.params.min_step_factor * cost.floor_ms, want))
 
     def _stream_limit(
-        self, target: float, running: Sequence[SeqView], waiting: Sequence[SeqView], now: float
+        self, target: float, running: Sequence[SeqView], waiting: Sequence[SeqView], limits: StepLimits
     ) -> StepTimeLimit:
         """``safety·target`` within the streams' time in hand, lengthened for due first tokens."""
-        cost = self.model.cost
+        cost, now = self.model.cost, limits.now
         streams = [r for r in running if r.tpot_ms is not None and r.first_token_time is not None]
         in_hand = self.time_in_hand_ms(streams, now)
         floor_ms = self.params.min_step_factor * cost.floor_ms
@@ -128,12 +130,26 @@ class SloBudget:
         # Each due first token may lengthen the step to its whole prompt beside the streams'
         # decodes, within the time in hand; before it in the order, everyone stays within the plain
         # step (the scheduler's _StepClock opens the rest to those after it).
-        first_token_ms = {
-            r.request_id: step_ms
-            for r in (*running, *waiting)
-            if is_due(r, now, late_too=not streams)
-            and (step_ms := min(first_token_step_ms(cost, streams, r), in_hand)) > shared_ms
-        }
+        # Any first token still to come may have one minimal chunk beside the streams' decodes,
+        # whatever their time in hand: when that is shorter than such a step, a prompt would
+        # otherwise wait until every stream ended (and the running set shrink as requests finish).
+        first_token_ms: dict[str, float] = {}
+        shares: dict[int, SlotShares] = {}
+        waiting_ids = {r.request_id for r in waiting}
+        for r in (*running, *waiting):
+            if r.first_token_time is not None or r.ttft_deadline is None:
+                continue
+            step_ms = first_token_step_ms(cost, streams, r, MIN_CHUNK_TOKENS)
+            if is_due(r, now, late_too=not streams):
+                tier = shares.get(r.tier_rank)
+                if tier is None:
+                    tier = slot_shares(r.tier_rank, running, waiting, limits.max_num_seqs)
+                    shares[r.tier_rank] = tier
+                bounding = holding_back(r, streams, tier, r.request_id in waiting_ids)
+                r_in_hand = in_hand if len(bounding) == len(streams) else self.time_in_hand_ms(bounding, now)
+                step_ms = max(step_ms, min(first_token_step_ms(cost, streams, r), r_in_hand))
+            if step_ms > shared_ms:
+                first_token_ms[r.request_id] = step_ms
         return StepTimeLimit(cost, shared_ms, first_token_ms)
 
     def time_in_hand_ms(self, streams: Sequence[SeqView], now: float) -> float:
@@ -176,9 +192,27 @@ def is_due(r: SeqView, now: float, late_too: bool = False) -> bool:
     return late_too or r.ttft_deadline > now
 
 
-def first_token_step_ms(cost: StepCost, streams: Sequence[SeqView], request: SeqView) -> float:
+def holding_back(
+    request: SeqView, streams: Sequence[SeqView], shares: SlotShares, is_waiting: bool
+) -> list[SeqView]:
+    """The streams whose time in hand bounds ``request``'s first token: all of them, except, while
+    its tenant holds no more than its fair share of its tier's slots (``shares``, counting its own
+    slot if it waits for one), the streams of that tier's tenants holding more than theirs: a
+    tenant over its share does not delay, through its streams' TPOT, the first token of one under
+    it. With one tenant (or none named) that is every stream."""
+    if shares.over(request.tenant, extra=int(is_waiting)):
+        return list(streams)
+    rank, tenant = request.tier_rank, request.tenant
+    return [s for s in streams if s.tier_rank != rank or s.tenant == tenant or not shares.over(s.tenant)]
+
+
+def first_token_step_ms(
+    cost: StepCost, streams: Sequence[SeqView], request: SeqView, max_tokens: int | None = None
+) -> float:
     """The predicted step that carries ``streams``' decodes and the whole remaining prefill of
-    ``request``."""
+    ``request`` (at most ``max_tokens`` of it)."""
     decodes = sum(cost.decode_ms(r.num_tokens + 1) for r in streams)
     remaining = max(1, request.num_tokens - request.num_computed_tokens)
+    if max_tokens is not None:
+        remaining = min(remaining, max_tokens)
     return cost.fixed_ms + decodes + cost.chunk_ms(remaining, request.num_computed_tokens)

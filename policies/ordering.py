@@ -10,7 +10,7 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from policies.base import NoParams, SeqView
-from policies.tenant_service import TenantService
+from policies.tenant_service import TenantService, slot_shares
 
 
 class Fcfs:
@@ -79,17 +79,11 @@ class Tiered:
         if self.params.input_weight == 0 and self.params.output_weight == 0:
             return []
         rank = request.tier_rank
-        held: dict[str | None, int] = {}
-        num_urgent = 0  # slots held by more urgent tiers: not this tier's to share
-        for r in running:
-            if r.tier_rank == rank:
-                held[r.tenant] = held.get(r.tenant, 0) + 1
-            num_urgent += r.tier_rank < rank
-        tenants = set(held) | {r.tenant for r in waiting if r.tier_rank == rank} | {request.tenant}
-        share = (max_num_seqs - num_urgent) / len(tenants)
-        if held.get(request.tenant, 0) + 1 > share:
+        shares = slot_shares(rank, running, waiting, max_num_seqs, request)
+        if shares.over(request.tenant, extra=1):
             return []
-        over = {t for t, n in held.items() if t != request.tenant and n - 1 >= share}
+        # donors stay within their share after the swap (n − 1 ≥ share), so a swap is never undone
+        over = {t for t, n in shares.held.items() if t != request.tenant and n - 1 >= shares.share}
         return [r for r in running if r.tier_rank == rank and r.tenant in over]
 
 

@@ -74,6 +74,8 @@ class StepTimeLimit:
     first_token_ms: Mapping[str, float] = field(default_factory=dict)
 
 
+MIN_CHUNK_TOKENS = 16  # a prefill chunk a time limit cuts shorter than this waits for the next step
+
 TOKEN_SCALE = 256.0  # features are fitted in these units, so all four are of order 1
 CONTEXT_SCALE = 16384.0
 _SCALES = (1.0, 64.0, TOKEN_SCALE, CONTEXT_SCALE)

@@ -13,6 +13,7 @@ call (VTC's lift): being idle does not bank credit. Tenant ``None`` (no tenant) 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from policies.base import SeqView
 
@@ -94,3 +95,37 @@ class TenantService:
         if len(self._last_active) > len(active):
             for tenant in [t for t, at in self._last_active.items() if now - at > self.forget_after_s]:
                 del self._last_active[tenant], counters[tenant]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotShares:
+    """How one tier's sequence slots are held: ``held`` per tenant among the running requests of
+    the tier, and ``share``, each tenant's fair part: ``max_num_seqs`` less the slots of more urgent
+    tiers, over the tier's tenants with requests in the worker (running or waiting)."""
+
+    held: dict[str | None, int]
+    share: float
+
+    def over(self, tenant: str | None, extra: int = 0) -> bool:
+        """Whether ``tenant`` holds more than its share (with ``extra`` more slots)."""
+        return self.held.get(tenant, 0) + extra > self.share
+
+
+def slot_shares(
+    rank: int,
+    running: Sequence[SeqView],
+    waiting: Sequence[SeqView],
+    max_num_seqs: int,
+    also: SeqView | None = None,
+) -> SlotShares:
+    """The slot shares of tier ``rank``, counting ``also``'s tenant among its tenants."""
+    held: dict[str | None, int] = {}
+    num_urgent = 0
+    for r in running:
+        if r.tier_rank == rank:
+            held[r.tenant] = held.get(r.tenant, 0) + 1
+        num_urgent += r.tier_rank < rank
+    tenants = set(held) | {r.tenant for r in waiting if r.tier_rank == rank}
+    if also is not None:
+        tenants.add(also.tenant)
+    return SlotShares(held, (max_num_seqs - num_urgent) / max(1, len(tenants)))

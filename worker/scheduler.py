@@ -37,12 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from policies.base import SlotSharing, StepLimits, StepReport
-from policies.step_time import StepTimeLimit
+from policies.step_time import MIN_CHUNK_TOKENS, StepTimeLimit
 from worker.kv_cache import KVCacheManager
 from worker.policy_set import WorkerPolicies
 from worker.request import FinishReason, Request, RequestStatus
-
-MIN_CHUNK_TOKENS = 16  # a chunk a time limit cuts shorter than this waits for the next step
 
 
 @dataclass(slots=True)

@@ -126,6 +126,56 @@ def test_a_due_first_token_gets_one_long_step_when_the_streams_have_time_in_hand
     assert limit is not None and limit.first_token_ms == {"p": pytest.approx(210.0)}
 
 
+def test_a_first_token_always_may_have_a_minimal_chunk_beside_streams_with_little_in_hand() -> None:
+    # A slow prefill (4 ms a token): a 16-token chunk beside one decode is 10 + 1 + 64 = 75 ms, more
+    # than the 40 ms a stream behind its target leaves; the prompt may have that chunk anyway, each
+    # step (late or due), rather than wait for every stream to end.
+    params = SloBudgetParams(
+        safety=0.8, fixed_ms=10.0, per_decode_ms=1.0, per_prefill_token_ms=4.0, per_context_token_ms=0.0
+    )
+    policy = SloBudget(params)
+    behind = View("s", tier_rank=0, tpot_ms=100.0, first_token_time=9.0, num_output_tokens=5)
+    prompt = View(
+        "p", tier_rank=0, tpot_ms=100.0, ttft_deadline=11.0, arrival_time=10.0, num_prompt_tokens=400
+    )
+    limit = policy.budget([behind], [prompt], StepLimits(4096, 64, now=11.2)).time_limit
+    assert limit is not None and limit.max_ms == pytest.approx(40.0)
+    assert limit.first_token_ms == {"p": pytest.approx(75.0)}
+    # Still due, it may have no less.
+    limit = policy.budget([behind], [prompt], StepLimits(4096, 64, now=10.5)).time_limit
+    assert limit is not None and limit.first_token_ms == {"p": pytest.approx(75.0)}
+
+
+def test_a_tenant_over_its_slot_share_does_not_hold_back_the_first_token_of_one_under_it() -> None:
+    # Costs: fixed 10, decode 1, prefill 4 per token. Heavy holds 7 of 8 slots (its fair share is
+    # 4), its streams behind their 200 ms target: 0.5 · 0.8 · 200 = 80 ms in hand.
+    params = SloBudgetParams(
+        safety=0.8, fixed_ms=10.0, per_decode_ms=1.0, per_prefill_token_ms=4.0, per_context_token_ms=0.0
+    )
+    heavy = [
+        View(f"h{i}", tpot_ms=200.0, first_token_time=0.0, num_output_tokens=2, tenant="heavy")
+        for i in range(7)
+    ]
+    light = View(
+        "l", tpot_ms=200.0, ttft_deadline=13.0, arrival_time=10.0, num_prompt_tokens=100, tenant="light"
+    )
+    more_heavy = replace(light, request_id="hw", tenant="heavy")
+    limits = StepLimits(4096, 8, now=10.5)
+    limit = SloBudget(params).budget(heavy, [light, more_heavy], limits).time_limit
+    assert limit is not None and limit.max_ms == pytest.approx(80.0)
+    # light's whole prompt beside heavy's 7 decodes (10 + 7 + 400); heavy's own next prompt stays
+    # within its streams' time in hand: one 16-token chunk (10 + 7 + 64) beside them.
+    assert limit.first_token_ms == {"l": pytest.approx(417.0), "hw": pytest.approx(81.0)}
+    # One tenant (or none named): every stream counts for every prompt.
+    anonymous = [replace(r, tenant=None) for r in heavy]
+    limit = SloBudget(params).budget(anonymous, [replace(light, tenant=None)], limits).time_limit
+    assert limit is not None and limit.first_token_ms == {"l": pytest.approx(81.0)}
+    # Light at its share (4 of 8 with its waiting one) is bounded like anyone.
+    light_streams = [replace(r, request_id=f"ls{i}", tenant="light") for i, r in enumerate(heavy[:3])]
+    limit = SloBudget(params).budget([*heavy[:4], *light_streams], [light], limits).time_limit
+    assert limit is not None and limit.first_token_ms == {"l": pytest.approx(81.0)}
+
+
 def test_batch_steps_come_in_pieces_once_an_urgent_tier_was_seen() -> None:
     params = SloBudgetParams(fixed_ms=10.0, per_decode_ms=1.0)
     batch = [View("b", tier_rank=2, num_prompt_tokens=2000)]
