@@ -73,10 +73,10 @@ class SloBudget:
     ordering's say. A due first token of a tenant within its fair share of its tier's slots is not
     bounded by the time in hand of the streams of the tier's tenants over theirs
     (:func:`holding_back`), and any first token still to come may have one minimal chunk
-    (``MIN_CHUNK_TOKENS``) beside the streams' decodes, so no prompt waits for every stream to end. With no TPOT target in force the limit is
-    ``idle_ttft_fraction`` of the strictest TTFT target seen so far (``assumed_ttft_ms``
-    until one is seen), so batch prefill comes in pieces an urgent arrival does not wait long
-    behind; ``idle_ttft_fraction = 0`` gives such steps the ceilings.
+    (``MIN_CHUNK_TOKENS``) beside the streams' decodes, so no prompt waits for every stream to end.
+    With no TPOT target in force the limit is ``idle_ttft_fraction`` of the strictest TTFT target
+    seen so far (``assumed_ttft_ms`` until one is seen), so batch prefill comes in pieces an urgent
+    arrival does not wait long behind; ``idle_ttft_fraction = 0`` gives such steps the ceilings.
 
     The scheduler fills a step in the ordering's order up to the limit: under ``tiered`` the urgent
     decodes and prefill go first, batch decodes that do not fit sit out keeping their KV, a prefill
