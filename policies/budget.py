@@ -70,10 +70,10 @@ class SloBudget:
     (``StepTimeLimit.first_token_ms``): one long step instead of a prompt chunked between 80 ms
     steps, when the streams can afford it; before it in the order everyone's tokens stay within the
     plain limit (after it, what is left is anyone's), and which due request gets the time is the
-    ordering's say. A due first token of a tenant within its fair share of its tier's slots is not
-    bounded by the time in hand of the streams of the tier's tenants over theirs
-    (:func:`holding_back`), and any first token still to come may have one minimal chunk
-    (``MIN_CHUNK_TOKENS``) beside the streams' decodes, so no prompt waits for every stream to end.
+    ordering's say. A due first token is not bounded by the time in hand of the streams of tenants
+    of its tier that hold more of the tier's slots than its own (:func:`holding_back`), and any
+    first token still to come may have one minimal chunk (``MIN_CHUNK_TOKENS``) beside the streams'
+    decodes, so no prompt waits for every stream to end.
     With no TPOT target in force the limit is ``idle_ttft_fraction`` of the strictest TTFT target
     seen so far (``assumed_ttft_ms`` until one is seen), so batch prefill comes in pieces an urgent
     arrival does not wait long behind; ``idle_ttft_fraction = 0`` gives such steps the ceilings.
@@ -130,22 +130,28 @@ class SloBudget:
         # Each due first token may lengthen the step to its whole prompt beside the streams'
         # decodes, within the time in hand; before it in the order, everyone stays within the plain
         # step (the scheduler's _StepClock opens the rest to those after it).
-        # Any first token still to come may have one minimal chunk beside the streams' decodes,
-        # whatever their time in hand: when that is shorter than such a step, a prompt would
-        # otherwise wait until every stream ended (and the running set shrink as requests finish).
+        # A first token still to come may have one minimal chunk beside the streams' decodes,
+        # whatever their time in hand, when it is due, already running, or a slot is free: when
+        # the time in hand is shorter than such a step, a prompt would otherwise wait until every
+        # stream ended (the running set shrinking as requests finish). A late one waits for a free
+        # slot rather than lengthen every step of a full batch.
         first_token_ms: dict[str, float] = {}
         shares: dict[int, SlotShares] = {}
         waiting_ids = {r.request_id for r in waiting}
+        slot_free = len(running) < limits.max_num_seqs
         for r in (*running, *waiting):
             if r.first_token_time is not None or r.ttft_deadline is None:
                 continue
-            step_ms = first_token_step_ms(cost, streams, r, MIN_CHUNK_TOKENS)
+            is_waiting = r.request_id in waiting_ids
+            step_ms = 0.0
+            if slot_free or not is_waiting or r.ttft_deadline > now:
+                step_ms = first_token_step_ms(cost, streams, r, MIN_CHUNK_TOKENS)
             if is_due(r, now, late_too=not streams):
                 tier = shares.get(r.tier_rank)
                 if tier is None:
                     tier = slot_shares(r.tier_rank, running, waiting, limits.max_num_seqs)
                     shares[r.tier_rank] = tier
-                bounding = holding_back(r, streams, tier, r.request_id in waiting_ids)
+                bounding = holding_back(r, streams, tier, is_waiting)
                 r_in_hand = in_hand if len(bounding) == len(streams) else self.time_in_hand_ms(bounding, now)
                 step_ms = max(step_ms, min(first_token_step_ms(cost, streams, r), r_in_hand))
             if step_ms > shared_ms:
@@ -195,15 +201,13 @@ def is_due(r: SeqView, now: float, late_too: bool = False) -> bool:
 def holding_back(
     request: SeqView, streams: Sequence[SeqView], shares: SlotShares, is_waiting: bool
 ) -> list[SeqView]:
-    """The streams whose time in hand bounds ``request``'s first token: all of them, except, while
-    its tenant holds no more than its fair share of its tier's slots (``shares``, counting its own
-    slot if it waits for one), the streams of that tier's tenants holding more than theirs: a
-    tenant over its share does not delay, through its streams' TPOT, the first token of one under
-    it. With one tenant (or none named) that is every stream."""
-    if shares.over(request.tenant, extra=int(is_waiting)):
-        return list(streams)
+    """The streams whose time in hand bounds ``request``'s first token: all but those of the tenants
+    of its tier holding more of the tier's slots than its own tenant does (counting its own slot
+    if it waits for one): a tenant ahead in slots does not delay, through its streams' TPOT, the
+    first token of one behind it. With one tenant (or none named) that is every stream."""
     rank, tenant = request.tier_rank, request.tenant
-    return [s for s in streams if s.tier_rank != rank or s.tenant == tenant or not shares.over(s.tenant)]
+    mine = shares.held.get(tenant, 0) + int(is_waiting)
+    return [s for s in streams if s.tier_rank != rank or s.tenant == tenant or shares.held[s.tenant] <= mine]
 
 
 def first_token_step_ms(

@@ -146,9 +146,9 @@ def test_a_first_token_always_may_have_a_minimal_chunk_beside_streams_with_littl
     assert limit is not None and limit.first_token_ms == {"p": pytest.approx(75.0)}
 
 
-def test_a_tenant_over_its_slot_share_does_not_hold_back_the_first_token_of_one_under_it() -> None:
-    # Costs: fixed 10, decode 1, prefill 4 per token. Heavy holds 7 of 8 slots (its fair share is
-    # 4), its streams behind their 200 ms target: 0.5 · 0.8 · 200 = 80 ms in hand.
+def test_a_tenant_ahead_in_slots_does_not_hold_back_the_first_token_of_one_behind() -> None:
+    # Costs: fixed 10, decode 1, prefill 4 per token. Heavy holds 7 of 8 slots, its streams behind
+    # their 200 ms target: 0.5 · 0.8 · 200 = 80 ms in hand.
     params = SloBudgetParams(
         safety=0.8, fixed_ms=10.0, per_decode_ms=1.0, per_prefill_token_ms=4.0, per_context_token_ms=0.0
     )
@@ -170,7 +170,7 @@ def test_a_tenant_over_its_slot_share_does_not_hold_back_the_first_token_of_one_
     anonymous = [replace(r, tenant=None) for r in heavy]
     limit = SloBudget(params).budget(anonymous, [replace(light, tenant=None)], limits).time_limit
     assert limit is not None and limit.first_token_ms == {"l": pytest.approx(81.0)}
-    # Light at its share (4 of 8 with its waiting one) is bounded like anyone.
+    # Light as far in slots as heavy (4 each, its waiting one counted) is bounded like anyone.
     light_streams = [replace(r, request_id=f"ls{i}", tenant="light") for i, r in enumerate(heavy[:3])]
     limit = SloBudget(params).budget([*heavy[:4], *light_streams], [light], limits).time_limit
     assert limit is not None and limit.first_token_ms == {"l": pytest.approx(81.0)}
