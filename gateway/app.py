@@ -15,6 +15,7 @@ Everything a client can get wrong is a 4xx raised as :class:`APIError` before an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import uuid
@@ -174,6 +175,9 @@ async def _complete(request: Request, gateway: Gateway, endpoint: Endpoint[Body]
         texts = gateway.token_texts(placement.model) if endpoint.wants_logprobs(parsed) else None
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         tool_spec = endpoint.tool_spec(parsed)
+        if tool_spec is not None:  # read the answer as the placed model's template taught it
+            call_format = gateway.builder(placement.model).call_format
+            tool_spec = dataclasses.replace(tool_spec, answer_format=call_format)
         renderer = endpoint.renderer(request_id, placement.model, parsed.include_usage, texts, tool_spec)
         _classified(gateway, span, identity, placement, prompt_ids)
         if gateway.telemetry.capture_content:

@@ -16,7 +16,7 @@ from typing import Literal, Protocol
 import msgspec
 
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts, chat_logprobs, completion_logprobs
-from gateway.tools import CallParser, ParsedCall, ToolSpec, parse_whole
+from gateway.tools import AnswerParser, ParsedCall, ToolSpec, answer_parser, parse_whole
 from wire.messages import TokenDelta, TokenLogprob, Usage
 
 # ---------------------------------------------------------------- responses
@@ -205,7 +205,7 @@ class ChatRenderer:
         self.texts = texts
         self.tools = tools if tools is not None and tools.in_prompt else None
         self.created = int(time.time())
-        self._parsers: dict[int, CallParser] = {}  # choice index → its stream's parser
+        self._parsers: dict[int, AnswerParser] = {}  # choice index → its stream's parser
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -225,11 +225,14 @@ class ChatRenderer:
         text, parser, num_before = delta.text, None, 0
         calls: list[ParsedCall] = []
         if self.tools is not None:
-            parser = self._parsers.setdefault(index, CallParser(self.tools))
+            parser = self._parsers.get(index)
+            if parser is None:
+                parser = self._parsers[index] = answer_parser(self.tools)
             num_before = len(parser.calls)
             text, calls = parser.feed(delta.text)
             if delta.finish_reason is not None:
-                text += parser.finish()
+                rest, more = parser.finish()
+                text, calls = text + rest, calls + more
         if text or (self.texts is not None and delta.logprobs):
             choice = ChatChunkChoice(
                 index=index, delta=ChatDelta(content=text), logprobs=self._logprobs(delta.logprobs)

@@ -25,6 +25,7 @@ import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from gateway.tools import CallFormat, call_format
 from wire.byte_tokenizer import BYTE_OFFSET, VOCAB_SIZE, ByteTokenizer, token_name
 
 # {"role": ..., "content": ...}, content already flattened to text; with a template that takes tools,
@@ -55,6 +56,12 @@ class PromptBuilder(Protocol):
     @property
     def supports_tools(self) -> bool:
         """Whether the chat template renders ``tools`` (and tool calls and results) itself."""
+        ...
+
+    @property
+    def call_format(self) -> CallFormat:
+        """How the template teaches the model to write a call (gateway/tools.py; Hermes when it
+        takes no tools: then the default tool prompt does the teaching)."""
         ...
 
     def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
@@ -94,6 +101,10 @@ class BytePromptBuilder:
     def supports_tools(self) -> bool:
         return False
 
+    @property
+    def call_format(self) -> CallFormat:
+        return "hermes"
+
     def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # As Engine.add_request encodes a string prompt: no special tokens added (by default).
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -130,6 +141,7 @@ class HFPromptBuilder:
         env.globals["raise_exception"] = _raise_exception
         self._template = env.from_string(source)
         self._supports_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+        self._call_format = call_format(source if self._supports_tools else None)
         self._special_tokens = {key: _token_text(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
         self._byte_level = type(self._tokenizer.decoder).__name__ == "ByteLevel"
 
@@ -158,6 +170,10 @@ class HFPromptBuilder:
     @property
     def supports_tools(self) -> bool:
         return self._supports_tools
+
+    @property
+    def call_format(self) -> CallFormat:
+        return self._call_format
 
     def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)

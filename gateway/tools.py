@@ -1,9 +1,12 @@
 """Tool calling at the gateway: the request's tools in the prompt, the grammar that enforces a call,
 and the parser that finds calls in the model's text (streamed or whole).
 
-A chat template that takes ``tools`` renders them itself (openai_requests.chat_prompt). For any other
-the prompt format is the Hermes one (as Qwen2.5 and Hermes models are trained on), documented in
-docs/api.md ("Tool calling"); calls are read in that format either way:
+A chat template that takes ``tools`` renders them itself (openai_requests.chat_prompt), and the model
+answers a call as its template taught it (``call_format`` tells which from the template's text):
+Hermes blocks (below; Qwen2.5, Hermes), Llama 3.1's JSON answer (``{"name": ..., "parameters": ...}``,
+several separated by ``;``), or Mistral's ``[TOOL_CALLS]`` and a JSON list; under ``auto`` its answer
+is read in that format (``answer_parser``). For any other template the prompt format is the Hermes one,
+documented in docs/api.md ("Tool calling"):
 
 - the tools' signatures go into the system message, inside ``<tools></tools>``, with the instruction to
   answer a call as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;
@@ -12,9 +15,9 @@ docs/api.md ("Tool calling"); calls are read in that format either way:
   (consecutive ones in one message).
 
 ``tool_choice``: ``none`` leaves the tools out of the prompt; ``auto`` lets the model choose and parses
-what it wrote; ``required`` and a named function are enforced by a grammar (gateway/openai_requests.py
-hands it to the engine as a structured output), so the call's arguments always match the tool's
-JSON schema. Torch-free.
+what it wrote; ``required`` and a named function are enforced by a grammar in the Hermes format
+whatever the template (gateway/openai_requests.py hands it to the engine as a structured output), so
+the call's arguments always match the tool's JSON schema. Torch-free.
 """
 
 from __future__ import annotations
@@ -71,6 +74,23 @@ class ToolCallIn(msgspec.Struct, kw_only=True):
 
 
 ChoiceMode = Literal["none", "auto", "required", "named"]
+CallFormat = Literal["hermes", "llama3_json", "mistral"]
+MISTRAL_OPEN = "[TOOL_CALLS]"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's marker before a call (a special token, mostly skipped)
+
+
+def call_format(template: str | None) -> CallFormat:
+    """The call format a chat template teaches its model, from the template's text (None or one that
+    does not take tools: the default, Hermes)."""
+    if template is None:
+        return "hermes"
+    if MISTRAL_OPEN in template:
+        return "mistral"
+    if CALL_OPEN in template:
+        return "hermes"
+    if PYTHON_TAG in template or "ipython" in template:  # Llama 3.x: tool results are "ipython" turns
+        return "llama3_json"
+    return "hermes"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +101,8 @@ class ToolSpec:
     mode: ChoiceMode
     parallel: bool = True
     name: str | None = None  # the function a named tool_choice asks for
+    # How the placed model's template taught it to call (``call_format``): read under ``auto``.
+    answer_format: CallFormat = "hermes"
 
     @property
     def names(self) -> frozenset[str]:
@@ -278,13 +300,13 @@ class CallParser:
             break
         return "".join(content), found
 
-    def finish(self) -> str:
-        """What is still held (an unclosed block, a partial tag), as content; trailing whitespace
-        after the last call is dropped."""
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """What is still held (an unclosed block, a partial tag), as content (trailing whitespace
+        after the last call dropped); no call is found here."""
         content: list[str] = []
         self._emit((CALL_OPEN if self._in_call else "") + self._held, content)
         self._held, self._in_call, self._gap = "", False, ""
-        return "".join(content)
+        return "".join(content), []
 
     def _emit(self, text: str, out: list[str]) -> None:
         if not self.calls:
@@ -300,24 +322,119 @@ class CallParser:
             value = json.loads(body)
         except (ValueError, RecursionError):
             return None
-        if not isinstance(value, dict) or value.get("name") not in self.spec.names:
+        return _parsed(value, self.spec.names)
+
+
+@dataclass(slots=True)
+class WholeAnswerParser:
+    """Reads calls written as the whole answer, as Llama 3.1 (``{"name": ..., "parameters": {...}}``,
+    several separated by ``;``, perhaps after ``<|python_tag|>``) and Mistral (``[TOOL_CALLS]`` then a
+    JSON list of ``{"name": ..., "arguments": {...}}``; the tag is a special token, so its text may
+    be missing) write them. An answer that starts (past whitespace) as calls would is held until it
+    ends, then parsed: calls when every part is a call of one of the tools, else content as it was;
+    any other answer streams as content. With ``parallel`` false only the first call is kept."""
+
+    spec: ToolSpec
+    calls: list[ParsedCall] = field(default_factory=list)
+    _held: str = ""
+    _holding: bool | None = None  # None: not yet known (only whitespace so far)
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        if self._holding is False:
+            return text, []
+        self._held += text
+        start = self._held.lstrip()
+        if not start:
+            return "", []
+        openings = ("{", PYTHON_TAG) if self.spec.answer_format == "llama3_json" else ("[", MISTRAL_OPEN)
+        if any(start.startswith(o) for o in openings):
+            self._holding = True
+            return "", []
+        if any(o.startswith(start) for o in openings):
+            return "", []  # a partial opening: it may still become one
+        self._holding = False
+        out, self._held = self._held, ""
+        return out, []
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        held, self._held = self._held, ""
+        if not self._holding:
+            return held, []
+        calls = self._parse(held.strip())
+        if calls is None:
+            return held, []
+        self.calls = calls if self.spec.parallel else calls[:1]
+        return "", list(self.calls)
+
+    def _parse(self, text: str) -> list[ParsedCall] | None:
+        values: list[object] = []
+        try:
+            if self.spec.answer_format == "mistral":
+                listed = json.loads(text.removeprefix(MISTRAL_OPEN).strip())
+                values = listed if isinstance(listed, list) else [listed]
+            else:
+                values = _json_values(text.removeprefix(PYTHON_TAG), ";")
+        except (ValueError, RecursionError):
             return None
-        arguments = value.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as JSON text
-            try:
-                arguments = json.loads(arguments)
-            except (ValueError, RecursionError):
-                return None
-        if not isinstance(arguments, dict):
+        calls = [_parsed(v, self.spec.names) for v in values]
+        if not calls or any(c is None for c in calls):
             return None
-        return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments))
+        return [c for c in calls if c is not None]
+
+
+AnswerParser = CallParser | WholeAnswerParser
+
+
+def answer_parser(spec: ToolSpec) -> AnswerParser:
+    """The parser for the model's answer: under ``auto`` in the format its template taught it;
+    otherwise (the grammar's) Hermes."""
+    if spec.mode == "auto" and spec.answer_format != "hermes":
+        return WholeAnswerParser(spec)
+    return CallParser(spec)
+
+
+def _json_values(text: str, separator: str) -> list[object]:
+    """The JSON values of ``text``, one after another, ``separator`` and whitespace between them
+    (ValueError where that is not what it holds)."""
+    decoder, i = json.JSONDecoder(), 0
+    values: list[object] = []
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if values and i < len(text):  # after a value: the separator, then the next one
+            if text[i] != separator:
+                raise ValueError(f"expected {separator!r} at {i}")
+            i += 1
+            while i < len(text) and text[i].isspace():
+                i += 1
+        if i >= len(text):
+            return values
+        value, i = decoder.raw_decode(text, i)
+        values.append(value)
+
+
+def _parsed(value: object, names: frozenset[str]) -> ParsedCall | None:
+    """A call of one of ``names`` from its JSON value (``arguments``, or Llama's ``parameters``; an
+    object, or JSON text of one as some models write it), else None."""
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments))
 
 
 def parse_whole(spec: ToolSpec, text: str) -> tuple[str | None, list[ParsedCall]]:
     """The content (None when there are calls and nothing else) and the calls in a whole answer."""
-    parser = CallParser(spec)
+    parser = answer_parser(spec)
     content, calls = parser.feed(text)
-    content += parser.finish()
+    rest, more = parser.finish()
+    content, calls = content + rest, calls + more
     if not calls:
         return content, []
     content = content.strip()

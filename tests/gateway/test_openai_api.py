@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 from openai.types import Completion as OpenAICompletion
@@ -309,3 +311,30 @@ def test_tool_calls_render_as_openai_types_whole_and_streamed() -> None:
         and choice.finish_reason == "stop"
         and choice.message.tool_calls is None
     )
+
+
+def test_a_llama_style_answer_streams_as_tool_calls_when_its_template_taught_that_format() -> None:
+    body = decode_chat(
+        msgspec.json.encode(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "ping"}}],
+            }
+        )
+    )
+    spec = body.tool_spec()
+    assert spec is not None
+    tools = dataclasses.replace(spec, answer_format="llama3_json")
+    renderer = ChatRenderer("chatcmpl-3", "m", include_usage=False, tools=tools)
+    pieces = ['{"name": "pi', 'ng", "parameters": {"n"', ": 1}}"]
+    deltas = [TokenDelta(request_id="r", epoch=0, text=p, usage=LAST.usage) for p in pieces]
+    deltas.append(TokenDelta(request_id="r", epoch=0, finish_reason="stop", usage=LAST.usage))
+    chunks = [c for d in deltas for c in renderer.chunks(0, d)]
+    parsed = [OpenAIChatCompletionChunk.model_validate(as_json(chunk)) for chunk in chunks]
+    assert "".join(c.choices[0].delta.content or "" for c in parsed) == ""
+    calls = [t for c in parsed for t in c.choices[0].delta.tool_calls or []]
+    assert [
+        (t.index, t.function and t.function.name, t.function and t.function.arguments) for t in calls
+    ] == [(0, "ping", '{"n": 1}')]
+    assert parsed[-1].choices[0].finish_reason == "tool_calls"

@@ -87,6 +87,11 @@ def test_a_template_that_takes_tools_renders_them_itself(tmp_path: Path) -> None
     (tmp_path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
     builder = HFPromptBuilder(tmp_path)
     assert builder.supports_tools and not HFPromptBuilder(default_model_dir()).supports_tools
+    # Its calls are not in a format it names: Hermes, the default. A Llama 3.1-style one is read so.
+    assert builder.call_format == HFPromptBuilder(default_model_dir()).call_format == "hermes"
+    (tmp_path / "chat_template.jinja").write_text(TOOLS_TEMPLATE + "{# results: ipython turns #}")
+    assert HFPromptBuilder(tmp_path).call_format == "llama3_json"
+    (tmp_path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
     body = msgspec.json.decode(
         msgspec.json.encode(
             {

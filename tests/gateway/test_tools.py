@@ -3,6 +3,7 @@ calls whether the text comes whole or in pieces)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -13,7 +14,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.openai_requests import ChatMessage, template_messages
-from gateway.tools import CallParser, NamedToolChoice, ToolDef, ToolSpec, grammar, parse_whole, tool_spec
+from gateway.tools import (
+    CallParser,
+    NamedToolChoice,
+    ToolDef,
+    ToolSpec,
+    WholeAnswerParser,
+    answer_parser,
+    call_format,
+    grammar,
+    parse_whole,
+    tool_spec,
+)
 from wire.byte_tokenizer import BYTE_OFFSET, EOS_ID, VOCAB_SIZE, hf_tokenizer_json
 from wire.grammar import LIMITS, check
 
@@ -139,10 +151,97 @@ def test_streamed_in_any_pieces_the_parse_is_the_same(cuts: list[int]) -> None:
         piece, calls = parser.feed(text[a:b])
         content += piece
         names += [c.name for c in calls]
-    content += parser.finish()
+    rest, more = parser.finish()
+    content += rest
+    assert not more
     whole_content, whole_calls = parse_whole(spec(), text)
     assert names == [c.name for c in whole_calls] == ["get_weather", "get_time"]
     assert content.strip() == whole_content
+
+
+# The parts of Llama 3.1's, Mistral's and Qwen2.5's templates that tell their call formats apart.
+LLAMA_TEMPLATE = (
+    "{%- for m in messages %}{% if m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>"
+    '{% endif %}{{ m.content }}{% endfor %}{% if tools %}{"name": ..., "parameters": ...}{% endif %}'
+)
+MISTRAL_TEMPLATE = "{% for m in messages %}{{ m.content }}{% if m.tool_calls %}[TOOL_CALLS]{% endif %}"
+HERMES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<tool_call>{% endif %}"
+
+
+def test_the_call_format_is_read_from_the_template() -> None:
+    assert call_format(LLAMA_TEMPLATE) == "llama3_json"
+    assert call_format(MISTRAL_TEMPLATE) == "mistral"
+    assert call_format(HERMES_TEMPLATE) == "hermes"
+    assert call_format("{{ tools }}") == "hermes" and call_format(None) == "hermes"
+
+
+def in_format(answer_format: str, choice: object = "auto", parallel: bool | None = None) -> ToolSpec:
+    return dataclasses.replace(spec(choice, parallel), answer_format=answer_format)  # type: ignore[arg-type]
+
+
+WEATHER_ARGS = {"city": "Oslo", "days": 2}
+LLAMA_CALLS = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}; '
+    '{"name": "get_time", "parameters": {"city": "Lima", "days": 0}}'
+)
+MISTRAL_CALLS = (
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+    '{"name": "get_time", "arguments": "{\\"city\\": \\"Lima\\", \\"days\\": 0}"}]'
+)
+
+
+@pytest.mark.parametrize(
+    ("answer_format", "text"),
+    [
+        ("llama3_json", LLAMA_CALLS),
+        ("llama3_json", LLAMA_CALLS.removeprefix("<|python_tag|>")),  # the special token skipped
+        ("mistral", MISTRAL_CALLS),
+        ("mistral", MISTRAL_CALLS.removeprefix("[TOOL_CALLS]")),
+    ],
+)
+def test_under_auto_the_answer_is_read_in_the_template_s_format(answer_format: str, text: str) -> None:
+    content, calls = parse_whole(in_format(answer_format), "  " + text)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", WEATHER_ARGS),
+        ("get_time", {"city": "Lima", "days": 0}),
+    ]
+    assert len(parse_whole(in_format(answer_format, parallel=False), text)[1]) == 1
+    # Text, an unknown tool, or a broken call: content, as written.
+    for other in ("It is sunny.", text.replace("get_time", "get_news"), text[:-3], "[1] is a footnote"):
+        assert parse_whole(in_format(answer_format), other) == (other, [])
+
+
+@given(st.lists(st.integers(0, 300), max_size=8), st.sampled_from(["llama3_json", "mistral"]))
+def test_a_whole_answer_call_streams_in_any_pieces_to_the_same_parse(
+    cuts: list[int], answer_format: str
+) -> None:
+    for text in (LLAMA_CALLS if answer_format == "llama3_json" else MISTRAL_CALLS, "Plain <|words|> [here]"):
+        bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+        parser = answer_parser(in_format(answer_format))
+        assert isinstance(parser, WholeAnswerParser)
+        content, names = "", []
+        for a, b in itertools.pairwise(bounds):
+            piece, calls = parser.feed(text[a:b])
+            content, names = content + piece, names + [c.name for c in calls]
+        rest, more = parser.finish()
+        content, names = content + rest, names + [c.name for c in more]
+        whole_content, whole_calls = parse_whole(in_format(answer_format), text)
+        assert names == [c.name for c in whole_calls] and (content or None) == whole_content
+
+
+def test_a_separator_inside_an_argument_is_part_of_it() -> None:
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo; Norway", "days": 1}}'
+    (call,) = parse_whole(in_format("llama3_json"), text)[1]
+    assert json.loads(call.arguments) == {"city": "Oslo; Norway", "days": 1}
+
+
+def test_a_forced_call_is_read_as_the_grammar_writes_it_whatever_the_template() -> None:
+    assert isinstance(answer_parser(in_format("llama3_json", "required")), CallParser)
+    named = in_format("mistral", {"type": "function", "function": {"name": "get_time"}})
+    assert isinstance(answer_parser(named), CallParser)
+    assert isinstance(answer_parser(in_format("hermes")), CallParser)
+    assert parse_whole(in_format("llama3_json", "required"), CALL)[1][0].name == "get_weather"
 
 
 @pytest.mark.parametrize("parameters", [None, {"type": "object", "properties": {}}])
