@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,6 +129,17 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+def _unwind_on_sigterm() -> None:
+    """SIGTERM (``timeout``, a CI runner, ``kill``) unwinds the scenario as Ctrl-C does: the servers it
+    started, each in its own session so that their teardown reaches their workers, are stopped by
+    the context managers that started them instead of outliving the bench."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     listing = "\n".join(f"  {s.name:18} {s.summary}" for s in SCENARIOS.values())
     parser = argparse.ArgumentParser(
@@ -140,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true", help="write the figures into --docs")
     parser.add_argument("--docs", type=Path, default=DOCS, help="default: docs/benchmarks.md")
     args, rest = parser.parse_known_args(argv)
+    _unwind_on_sigterm()
     figures = SCENARIOS[args.scenario].run(rest)
     print(json.dumps(figures, indent=None if args.json else 2), flush=True)
     if args.record:

@@ -152,12 +152,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                 dataclasses.replace(light_options, text_variant="/probe"),
             )
             service_s = asyncio.run(_service_time(light_target, probe_work, args))
-            args.light_rate = round(args.light_load / service_s, 3)
+            args.light_rate = calibrated_rate(args.light_load, service_s)
             progress(f"one light request alone takes {service_s:.2f} s: light at {args.light_rate:g} req/s")
         else:
             service_s = None
         if args.duration is None:
-            args.duration = round(min(MAX_DURATION_S, args.light_requests / args.light_rate), 1)
+            args.duration = phase_duration(args.light_requests, args.light_rate)
         alone = _summary(asyncio.run(_light(light_target, light_work, args)).records)
         progress(f"alone: light TTFT p99 {fmt(alone.ttft_ms.p99)} ms over {alone.num_ok} requests")
         flood_light, heavy = asyncio.run(
@@ -195,6 +195,17 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     return figures
+
+
+def calibrated_rate(light_load: float, service_s: float) -> float:
+    """Light's rate (req/s) for it to keep the worker busy ``light_load`` of the time alone, one of
+    its requests taking ``service_s`` alone."""
+    return round(light_load / service_s, 3)
+
+
+def phase_duration(num_requests: int, rate: float) -> float:
+    """Seconds for ``num_requests`` at ``rate`` on average, at most ``MAX_DURATION_S``."""
+    return round(min(MAX_DURATION_S, num_requests / rate), 1)
 
 
 def fairness_figures(alone: GroupSummary, flood: GroupSummary, heavy: GroupSummary) -> dict[str, object]:

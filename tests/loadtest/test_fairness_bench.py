@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.fairness_bench import MOCK, REAL, _summary, fairness_figures, parse_args
+from loadtest.fairness_bench import (
+    MAX_DURATION_S,
+    MOCK,
+    REAL,
+    _summary,
+    calibrated_rate,
+    fairness_figures,
+    parse_args,
+    phase_duration,
+)
 from loadtest.records import Outcome, RequestRecord
 
 
@@ -22,6 +31,18 @@ def test_the_mock_and_the_real_run_fill_in_their_own_defaults() -> None:
     assert (given.duration, given.light_prompt_len, given.ordering) == (3.0, (8, 16), "fcfs")
     # A flood past saturation: more requests in flight than the worker runs at once.
     assert MOCK.heavy_concurrency > MOCK.max_num_seqs and REAL.heavy_concurrency > REAL.max_num_seqs
+
+
+def test_the_real_light_load_is_calibrated_to_the_machine() -> None:
+    real = parse_args([])
+    assert real.light_rate is None and real.duration is None  # both set once a light request is timed
+    assert (real.light_load, real.light_requests) == (0.2, 30)
+    # A light request of 0.5 s alone: 0.4 req/s keeps the worker busy 20% of the time, 75 s for 30.
+    assert calibrated_rate(real.light_load, 0.5) == 0.4
+    assert phase_duration(real.light_requests, 0.4) == 75.0
+    # A slow machine's phase is bounded; a given rate is taken as it is.
+    assert phase_duration(30, 0.01) == MAX_DURATION_S
+    assert parse_args(["--light-rate", "1"]).light_rate == 1.0
 
 
 def records(ttft_s: float, n: int, *, failed: int = 0, tokens: int = 10) -> list[RequestRecord]:
