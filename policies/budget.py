@@ -139,13 +139,14 @@ class SloBudget:
         shares: dict[int, SlotShares] = {}
         waiting_ids = {r.request_id for r in waiting}
         slot_free = len(running) < limits.max_num_seqs
+        decodes_ms = streams_decode_ms(cost, streams)  # once a step: every candidate's step holds them
         for r in (*running, *waiting):
             if r.first_token_time is not None or r.ttft_deadline is None:
                 continue
             is_waiting = r.request_id in waiting_ids
             step_ms = 0.0
             if slot_free or not is_waiting or r.ttft_deadline > now:
-                step_ms = first_token_step_ms(cost, streams, r, MIN_CHUNK_TOKENS)
+                step_ms = first_token_step_ms(cost, decodes_ms, r, MIN_CHUNK_TOKENS)
             if is_due(r, now, late_too=not streams):
                 tier = shares.get(r.tier_rank)
                 if tier is None:
@@ -153,7 +154,7 @@ class SloBudget:
                     shares[r.tier_rank] = tier
                 bounding = holding_back(r, streams, tier, is_waiting)
                 r_in_hand = in_hand if len(bounding) == len(streams) else self.time_in_hand_ms(bounding, now)
-                step_ms = max(step_ms, min(first_token_step_ms(cost, streams, r), r_in_hand))
+                step_ms = max(step_ms, min(first_token_step_ms(cost, decodes_ms, r), r_in_hand))
             if step_ms > shared_ms:
                 first_token_ms[r.request_id] = step_ms
         return StepTimeLimit(cost, shared_ms, first_token_ms)
@@ -210,13 +211,17 @@ def holding_back(
     return [s for s in streams if s.tier_rank != rank or s.tenant == tenant or shares.held[s.tenant] <= mine]
 
 
+def streams_decode_ms(cost: StepCost, streams: Sequence[SeqView]) -> float:
+    """What the decodes of ``streams`` add to a step."""
+    return sum(cost.decode_ms(r.num_tokens + 1) for r in streams)
+
+
 def first_token_step_ms(
-    cost: StepCost, streams: Sequence[SeqView], request: SeqView, max_tokens: int | None = None
+    cost: StepCost, decodes_ms: float, request: SeqView, max_tokens: int | None = None
 ) -> float:
-    """The predicted step that carries ``streams``' decodes and the whole remaining prefill of
-    ``request`` (at most ``max_tokens`` of it)."""
-    decodes = sum(cost.decode_ms(r.num_tokens + 1) for r in streams)
+    """The predicted step that carries the streams' decodes (``decodes_ms``) and the whole remaining
+    prefill of ``request`` (at most ``max_tokens`` of it)."""
     remaining = max(1, request.num_tokens - request.num_computed_tokens)
     if max_tokens is not None:
         remaining = min(remaining, max_tokens)
-    return cost.fixed_ms + decodes + cost.chunk_ms(remaining, request.num_computed_tokens)
+    return cost.fixed_ms + decodes_ms + cost.chunk_ms(remaining, request.num_computed_tokens)

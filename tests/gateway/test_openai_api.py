@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 from gateway.errors import APIError, from_dispatch, invalid
 from gateway.logprobs import TokenTexts
 from gateway.openai_api import ChatRenderer, ChoiceResult, CompletionRenderer, UsageInfo
-from gateway.openai_requests import decode_chat, decode_completion
+from gateway.openai_requests import ChatCompletionRequest, decode_chat, decode_completion
 from gateway.request_stream import NoWorkerAvailable, WorkerLost, WorkerRejected
 from wire.errors import InvalidRequestError
 from wire.messages import TokenDelta, TokenLogprob, Usage
@@ -272,8 +272,9 @@ def test_gateway_imports_neither_torch_nor_transformers_nor_worker() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_tool_calls_render_as_openai_types_whole_and_streamed() -> None:
-    body = decode_chat(
+def ping_tool_body() -> ChatCompletionRequest:
+    """A chat request offering one tool, ``ping``."""
+    return decode_chat(
         msgspec.json.encode(
             {
                 "model": "m",
@@ -282,6 +283,10 @@ def test_tool_calls_render_as_openai_types_whole_and_streamed() -> None:
             }
         )
     )
+
+
+def test_tool_calls_render_as_openai_types_whole_and_streamed() -> None:
+    body = ping_tool_body()
     renderer = ChatRenderer("chatcmpl-1", "m", include_usage=False, tools=body.tool_spec())
     call = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
     whole = OpenAIChatCompletion.model_validate(
@@ -314,15 +319,7 @@ def test_tool_calls_render_as_openai_types_whole_and_streamed() -> None:
 
 
 def test_a_llama_style_answer_streams_as_tool_calls_when_its_template_taught_that_format() -> None:
-    body = decode_chat(
-        msgspec.json.encode(
-            {
-                "model": "m",
-                "messages": [{"role": "user", "content": "hi"}],
-                "tools": [{"type": "function", "function": {"name": "ping"}}],
-            }
-        )
-    )
+    body = ping_tool_body()
     spec = body.tool_spec()
     assert spec is not None
     tools = dataclasses.replace(spec, answer_format="llama3_json")
