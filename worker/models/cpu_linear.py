@@ -31,7 +31,7 @@ from worker.models.weight_arena import WeightArena
 log = logging.getLogger(__name__)
 
 # Rows up to which the kernel serves (float32: it beat MKL at every size up to these, 2-core EPYC).
-MAX_ROWS = {"avx512": 32, "avx2": 16, "avx512_bf16": 32}
+MAX_ROWS = {"avx512": 32, "avx2": 32, "avx512_bf16": 32}
 
 
 class DecodeLinear(nn.Module):
