@@ -162,32 +162,28 @@ static inline __attribute__((always_inline)) void tile_avx2(const float *x, cons
 /* Up to ROWS_STREAMED rows, w is streamed a row at a time (one stream per thread, as the AVX-512
  * M = 1 path; 2 rows of x a pass): at batch 1 it read SmolLM2's layers at ~30 GB/s on a 2-core EPYC
  * (37 GB/s read bandwidth) where 4-row tiles read 24. Past it the steps are compute-bound and the
- * TM x TN tile wins (16 rows: 37 ms where streaming took 45, MKL 53, for SmolLM2's 30 layers). */
+ * TM x TN tile wins (16 rows: 37 ms where streaming took 45, MKL 55, for SmolLM2's 30 layers). */
 #define ROWS_STREAMED 4
+
+/* mr x rows (a constant) by the nr (1..TN) w rows at n0, with nr a constant in each branch. */
+__attribute__((target("avx2,fma")))
+static inline __attribute__((always_inline)) void tile_nr_avx2(const float *x, const float *w, float *y,
+                                                                const float *bias, int mr, int64_t nr,
+                                                                int64_t N, int64_t K) {
+    switch (nr) {
+    case 3: tile_avx2(x, w, y, bias, mr, 3, N, K); break;
+    case 2: tile_avx2(x, w, y, bias, mr, 2, N, K); break;
+    default: tile_avx2(x, w, y, bias, mr, 1, N, K); break;
+    }
+}
 
 __attribute__((target("avx2,fma")))
 static void rows_of_x_avx2(const float *x, const float *w, float *y, const float *bias, int64_t M,
                            int64_t n0, int64_t nr, int64_t N, int64_t K) {
     const float *wn = w + n0 * K, *bn = bias ? bias + n0 : 0;
     int64_t m0 = 0;
-    for (; m0 + TM <= M; m0 += TM) {
-        const float *xm = x + m0 * K;
-        float *ym = y + m0 * N + n0;
-        switch (nr) {
-        case 3: tile_avx2(xm, wn, ym, bn, TM, 3, N, K); break;
-        case 2: tile_avx2(xm, wn, ym, bn, TM, 2, N, K); break;
-        default: tile_avx2(xm, wn, ym, bn, TM, 1, N, K); break;
-        }
-    }
-    for (; m0 < M; m0++) {
-        const float *xm = x + m0 * K;
-        float *ym = y + m0 * N + n0;
-        switch (nr) {
-        case 3: tile_avx2(xm, wn, ym, bn, 1, 3, N, K); break;
-        case 2: tile_avx2(xm, wn, ym, bn, 1, 2, N, K); break;
-        default: tile_avx2(xm, wn, ym, bn, 1, 1, N, K); break;
-        }
-    }
+    for (; m0 + TM <= M; m0 += TM) tile_nr_avx2(x + m0 * K, wn, y + m0 * N + n0, bn, TM, nr, N, K);
+    for (; m0 < M; m0++) tile_nr_avx2(x + m0 * K, wn, y + m0 * N + n0, bn, 1, nr, N, K);
 }
 
 __attribute__((target("avx2,fma")))

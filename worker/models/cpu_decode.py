@@ -37,9 +37,9 @@ from worker.models.quant import QuantLinear, is_quantized, quant_isa
 
 log = logging.getLogger(__name__)
 
-# Decode rows up to which the fused step serves. Past the linear kernel's own MAX_ROWS on AVX2 (16,
-# where MKL's sgemm starts to win a lone linear) the fused layer still won as a whole: batch 24
-# 110 vs 141 ms, batch 32 129 vs 146 (TIERSERVE_CPU_ISA=avx2 on the 2-core EPYC, alternated 3x).
+# Decode rows up to which the fused step serves: the linear kernel's own MAX_ROWS (cpu_linear.py; on
+# AVX2 it was 16 until its tile was unrolled, and the fused layer already won at 24 and 32 rows as a
+# whole: 110 vs 141 ms, 129 vs 146, TIERSERVE_CPU_ISA=avx2 on the 2-core EPYC, alternated 3x).
 MAX_ROWS = {"avx512": 32, "avx2": 32, "avx512_bf16": 32}
 # Block-quantized linears stay cheap per row further (qlinear.c: 32 rows 16 ms, 128 rows 53 ms for
 # SmolLM2's linears on the 2-core EPYC, VNNI), so their fused step takes larger decode batches.
