@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.failover_bench import worker_processes
+from loadtest.failover_bench import num_ready, wait_for, worker_processes
 from loadtest.launch import Server, free_port, log_tail, running_server
 from loadtest.tracing_bench import CollectedSpan, OtlpCollector, running_collector, tracing_env
 from telemetry import attributes as attr
@@ -155,6 +155,8 @@ def test_a_migrated_request_stays_one_trace(tmp_path: Path, monkeypatch: pytest.
         for name, value in tracing_env(collector.endpoint).items():
             monkeypatch.setenv(name, value)
         with running_server(args, tmp_path / "serve.log", ready_timeout_s=60) as server:
+            # /ready answers once one worker is; serve gives up if a worker dies before all are ready.
+            wait_for(lambda: num_ready(server.base_url) == 2, 60, "both workers ready")
             pids = worker_processes(server)
 
             async def stream_and_kill() -> tuple[int, int]:
