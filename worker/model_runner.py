@@ -15,7 +15,8 @@ Kernels: the torch references on CPU, the Triton kernels on CUDA (``EngineConfig
 choice logged once at startup. A decode-only step (every sequence one new token) may take a faster
 road, a ``DecodeStep``: with ``cuda_graphs`` (on by default on CUDA) it replays a CUDA graph
 captured for the smallest bucket >= B, its inputs padded (``DecodeGraphs``); on CPU, with
-``cpu_kernels``, it runs one fused C call per layer (``worker.models.cpu_decode``). Prefill and mixed
+``cpu_kernels``, it runs one fused C call per layer (``worker.models.cpu_decode``), for any step of
+up to its ``max_rows`` tokens, prefill chunks included (a token a row). Larger prefill and mixed
 steps run the model eagerly.
 """
 
@@ -66,7 +67,13 @@ log = logging.getLogger(__name__)
 
 
 class DecodeStep(Protocol):
-    """A decode-only step's hidden states [B, hidden] by other means than the eager model."""
+    """A step's hidden states [T, hidden] by other means than the eager model, one row a token.
+
+    ``takes_prefill``: whether the rows may be prefill tokens too (each with its own context length:
+    position + 1, and its sequence's block table; the K/V of every row are written before any row
+    attends), or only one decode token per sequence."""
+
+    takes_prefill: bool
 
     def can_run(self, seq_lens: list[int]) -> bool: ...
 
@@ -136,9 +143,14 @@ class ModelRunner:
 
         device = self.device
         fast = self.decode_step
-        if fast is not None and num_decodes == len(scheduled) and fast.can_run(seq_lens):
-            block_rows = [r.block_ids for r in scheduled]
-            hidden = fast.run(input_ids, positions, slot_mapping, seq_lens, block_rows)
+        decode_only = num_decodes == len(scheduled)
+        # one row a token: a decode's context is its sequence's; a prefill token's ends at itself
+        row_lens = seq_lens if decode_only else [p + 1 for p in positions]
+        if fast is not None and (decode_only or fast.takes_prefill) and fast.can_run(row_lens):
+            block_rows = [
+                r.block_ids for r in scheduled for _ in range(out.num_scheduled_tokens[r.request_id])
+            ]
+            hidden = fast.run(input_ids, positions, slot_mapping, row_lens, block_rows)
         else:
             max_blocks = max(len(r.block_ids) for r in scheduled)
             block_tables = torch.tensor(
@@ -191,6 +203,8 @@ class DecodeGraphs:
     ``capture()`` needs CUDA. Without it (``run`` before ``capture``) the same static buffers and
     metadata run eagerly, which is how CPU tests exercise all of this but the capture itself.
     """
+
+    takes_prefill = False  # a graph's rows are one decode token per sequence
 
     def __init__(
         self,

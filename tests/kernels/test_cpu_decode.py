@@ -90,6 +90,29 @@ def test_fused_step_equals_the_torch_path(
         assert error < 0.05 * theirs.float().abs().max().item(), error
 
 
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-qkv-bias-yarn", "mistral-sliding-window"])
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [(0, 9)],  # a prompt's first chunk alone
+        [(36, 1), (0, 5), (20, 7)],  # a decode, a first chunk, a later chunk (cached context before it)
+        [(99, 1), (2, 1), (40, 12), (0, 10)],  # the sliding window (8 tokens) cuts into chunks too
+    ],
+)
+def test_fused_mixed_step_equals_the_torch_path(
+    kernel: DecodeLayerKernel, name: str, chunks: list[tuple[int, int]], tmp_path: Path
+) -> None:
+    """Prefill chunks beside decodes, a token a row: each row attends causally, within the window."""
+    if kernel.dtype != torch.float32:
+        pytest.skip("the float32 builds; bfloat16 rounds as in the decode test")
+    _save_hf(name, tmp_path)
+    model, _ = load_model(tmp_path, torch.float32)
+    got, expected, fused_caches, caches = run_step(model, kernel, chunks, random.Random(len(chunks)))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for ours, theirs in zip(fused_caches, caches, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("isa", list(QUANT_KERNELS))
 @pytest.mark.parametrize(("kind", "bits"), [("q4_1", 16), ("q8_0", 16), ("q4_1", 8)])
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-qkv-bias-yarn", "mistral-sliding-window"])
@@ -106,11 +129,13 @@ def test_fused_quantized_step_equals_the_torch_path(
     set_activation_bits(model, bits)
     assert use_quant_kernels(model, caps, kernel_dir) > 0
     kernel = load_quant_decode_kernel(isa, kernel_dir)
-    got, expected, _, _ = run_both(model, kernel, [100, 3, 64, 33, 9], random.Random(5))
-    error = float((got - expected).norm() / expected.norm())
-    # the linears are the same kernel: float32 rounding elsewhere (norms, attention), which int8's
-    # coarse rounding mostly absorbs (measured ~3e-7) and int16's passes on (~2e-5), as float32 does
-    assert error < 1e-4, error
+    # decode rows, then prefill chunks beside a decode (a token a row)
+    for chunks in ([(n - 1, 1) for n in (100, 3, 64, 33, 9)], [(36, 1), (0, 5), (20, 7)]):
+        got, expected, _, _ = run_step(model, kernel, chunks, random.Random(5))
+        error = float((got - expected).norm() / expected.norm())
+        # the linears are the same kernel: float32 rounding elsewhere (norms, attention), which int8's
+        # coarse rounding mostly absorbs (measured ~3e-7) and int16's passes on (~2e-5), as float32 does
+        assert error < 1e-4, (chunks, error)
 
 
 def run_both(
@@ -118,9 +143,19 @@ def run_both(
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """One decode step of rows with these context lengths over shuffled blocks (earlier K/V random),
     by the fused kernel and by the model's torch path: (got, expected, their caches after)."""
+    return run_step(model, kernel, [(n - 1, 1) for n in seq_lens], rng)
+
+
+def run_step(
+    model: LlamaForCausalLM, kernel: DecodeLayerKernel, chunks: list[tuple[int, int]], rng: random.Random
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """One step of sequences given as (tokens already cached, new tokens), decodes (1 new) first as
+    the scheduler lays them out, over shuffled blocks whose earlier K/V are random: by the fused kernel
+    (a token a row, each prefill row's context ending at itself) and by the model's torch path."""
     cfg, dtype = model.config, kernel.dtype
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
+    seq_lens = [done + new for done, new in chunks]
     rows = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
     caches = allocate_kv_cache(
         cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu"
@@ -129,22 +164,29 @@ def run_both(
     for cache in caches:  # the earlier tokens' K/V: any values attend alike on both paths
         cache.copy_(torch.randn(cache.shape, generator=gen).to(dtype))
     fused_caches = [c.clone() for c in caches]
-    input_ids = [rng.randrange(3, cfg.vocab_size) for _ in seq_lens]
-    positions = [n - 1 for n in seq_lens]
+    positions = [p for done, new in chunks for p in range(done, done + new)]
+    input_ids = [rng.randrange(3, cfg.vocab_size) for _ in positions]
+    token_rows = [row for row, (_, new) in zip(rows, chunks, strict=True) for _ in range(new)]
     slots = [
-        row[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for row, p in zip(rows, positions, strict=True)
+        row[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for row, p in zip(token_rows, positions, strict=True)
     ]
     width = max(map(len, rows))
+    starts = [0]
+    for _, new in chunks:
+        starts.append(starts[-1] + new)
     meta = AttentionMetadata.build(
         slot_mapping=torch.tensor(slots),
-        query_start_loc=list(range(len(seq_lens) + 1)),
+        query_start_loc=starts,
         seq_lens=seq_lens,
         block_tables=torch.tensor([r + [0] * (width - len(r)) for r in rows]),
-        num_decodes=len(seq_lens),
+        num_decodes=sum(1 for _, new in chunks if new == 1),
         block_size=BLOCK_SIZE,
         sliding_window=cfg.sliding_window,
     )
+    row_lens = [p + 1 for p in positions]
     with torch.inference_mode():
         expected = model(torch.tensor(input_ids), torch.tensor(positions), caches, meta)
-        got = CpuDecodeStep(model, fused_caches, kernel).run(input_ids, positions, slots, seq_lens, rows)
+        step = CpuDecodeStep(model, fused_caches, kernel)
+        got = step.run(input_ids, positions, slots, row_lens, token_rows)
     return got, expected, fused_caches, caches
