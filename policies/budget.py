@@ -37,6 +37,12 @@ class SloBudgetParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # target is that tight (or infeasible on this machine), the tier gets steps as short as
     # this, and the others still progress beside it.
     min_step_factor: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    # A stream behind its target asks for steps of this fraction of ``safety·T`` while it catches
+    # up. Below 1 a loaded worker can fall into a collapse: streams behind shrink every step, each
+    # step pays its fixed part for fewer tokens, and everyone falls further behind (32 requests at
+    # once, float32, 2-core EPYC: 0.5 gave 85.9 or 53.6 tok/s with TPOT p50 114 or 289 ms, run to
+    # run; 1.0 gave 72-78 tok/s at 134-138 ms every time).
+    catch_up_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     # With no TPOT target in force (only batch work), steps are still capped at this fraction of
     # the strictest TTFT target seen so far, so an urgent arrival never waits long behind a batch
     # prefill. 0: no cap (the ceilings).
@@ -60,7 +66,7 @@ class SloBudget:
     TPOT is a stream's mean gap, ``(t_last − t_first) / (n − 1)``, so a stream that has run faster
     than its target has time in hand: after ``n`` tokens since ``t_first`` the next step may last
     ``safety·T·n − (now − t_first)`` and the stream still averages ``safety·T`` (a stream behind
-    asks for ``safety·T / 2`` while it catches up). The step's limit is
+    asks for ``catch_up_fraction·safety·T`` while it catches up). The step's limit is
 
         max(min_step_factor·floor, min(want, the least time in hand of any running stream))
 
@@ -161,14 +167,14 @@ class SloBudget:
 
     def time_in_hand_ms(self, streams: Sequence[SeqView], now: float) -> float:
         """How long the next step may last with every stream's mean gap within ``safety`` of its
-        target (infinite for no stream). A stream behind its target asks for steps of half of it
-        while it catches up, never shorter (one that fell far behind must not hold every step at
-        the floor)."""
+        target (infinite for no stream). A stream behind its target asks for steps of
+        ``catch_up_fraction`` of it while it catches up, never shorter (one that fell far behind
+        must not hold every step at the floor)."""
         return min(
             (
                 max(
                     self.params.safety * r.tpot_ms * r.num_output_tokens - (now - r.first_token_time) * 1e3,
-                    0.5 * self.params.safety * r.tpot_ms,
+                    self.params.catch_up_fraction * self.params.safety * r.tpot_ms,
                 )
                 for r in streams
                 if r.tpot_ms is not None and r.first_token_time is not None

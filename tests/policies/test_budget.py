@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -112,9 +113,14 @@ def test_a_due_first_token_gets_one_long_step_when_the_streams_have_time_in_hand
     # Late but alone (no stream to hold back): the prompt still gets its one step (10 + 0.5 · 400).
     limit = policy.budget([], [prompt], StepLimits(4096, 64, now=11.2)).time_limit
     assert limit is not None and limit.first_token_ms == {"p": pytest.approx(210.0)}
-    # A stream behind its target asks for steps of 40 ms (half of 0.8 · 100) to catch up.
+    # A stream behind its target asks for no less than 0.8 · 100 = 80 ms (catch_up_fraction 1): shorter
+    # steps would pay the fixed part for fewer tokens, and on a loaded worker everyone falls further
+    # behind; with catch_up_fraction 0.5, steps of 40 ms while it catches up.
     late = View("l", tier_rank=0, tpot_ms=100.0, first_token_time=9.0, num_output_tokens=5)
     limit = policy.budget([late], [], StepLimits(4096, 64, now=10.5)).time_limit
+    assert limit is not None and limit.max_ms == pytest.approx(80.0)
+    halving = SloBudget(msgspec.structs.replace(params, catch_up_fraction=0.5))
+    limit = halving.budget([late], [], StepLimits(4096, 64, now=10.5)).time_limit
     assert limit is not None and limit.max_ms == pytest.approx(40.0)
     # Past the prompt's TTFT deadline (11.0) one long step saves nothing: 80 ms steps, it chunked
     # (a stream 20 tokens in, 1.2 s after its first, has 400 ms in hand).
@@ -131,7 +137,12 @@ def test_a_first_token_always_may_have_a_minimal_chunk_beside_streams_with_littl
     # than the 40 ms a stream behind its target leaves; the prompt may have that chunk anyway, each
     # step (late or due), rather than wait for every stream to end.
     params = SloBudgetParams(
-        safety=0.8, fixed_ms=10.0, per_decode_ms=1.0, per_prefill_token_ms=4.0, per_context_token_ms=0.0
+        safety=0.8,
+        catch_up_fraction=0.5,
+        fixed_ms=10.0,
+        per_decode_ms=1.0,
+        per_prefill_token_ms=4.0,
+        per_context_token_ms=0.0,
     )
     policy = SloBudget(params)
     behind = View("s", tier_rank=0, tpot_ms=100.0, first_token_time=9.0, num_output_tokens=5)
@@ -148,9 +159,14 @@ def test_a_first_token_always_may_have_a_minimal_chunk_beside_streams_with_littl
 
 def test_a_tenant_ahead_in_slots_does_not_hold_back_the_first_token_of_one_behind() -> None:
     # Costs: fixed 10, decode 1, prefill 4 per token. Heavy holds 7 of 8 slots, its streams behind
-    # their 200 ms target: 0.5 · 0.8 · 200 = 80 ms in hand.
+    # their 200 ms target: 0.5 · 0.8 · 200 = 80 ms in hand (catch_up_fraction 0.5).
     params = SloBudgetParams(
-        safety=0.8, fixed_ms=10.0, per_decode_ms=1.0, per_prefill_token_ms=4.0, per_context_token_ms=0.0
+        safety=0.8,
+        catch_up_fraction=0.5,
+        fixed_ms=10.0,
+        per_decode_ms=1.0,
+        per_prefill_token_ms=4.0,
+        per_context_token_ms=0.0,
     )
     heavy = [
         View(f"h{i}", tpot_ms=200.0, first_token_time=0.0, num_output_tokens=2, tenant="heavy")
