@@ -7,6 +7,7 @@ JSON object; ``--record`` also writes it into the scenario's block in docs/bench
     tierserve bench tiers --json [--record]              fcfs vs the tiered set at 2x saturation
     tierserve bench fairness --json [--record]           light tenant's TTFT, alone vs flooded via gateway A
     tierserve bench failover --json [--record]           kill -9 one of 4 mock workers mid-run
+    tierserve bench multihost --json [--record]          3 namespaced hosts, a worker's link down, back
     tierserve bench tracing-overhead --json [--record]   tracing off vs on (100% sampled, OTLP)
     tierserve bench routing --json [--record]            prefix-load vs round-robin, 4 mock workers
     tierserve bench routing --real --json [--record]     the same on 2 workers of the embedded model
@@ -77,6 +78,12 @@ def _failover(argv: list[str]) -> dict[str, object]:
     return failover_bench.run(failover_bench.parse_args(argv))
 
 
+def _multihost(argv: list[str]) -> dict[str, object]:
+    from loadtest import multihost_bench
+
+    return multihost_bench.run(multihost_bench.parse_args(argv))
+
+
 def _tracing(argv: list[str]) -> dict[str, object]:
     from loadtest import tracing_bench
 
@@ -118,6 +125,9 @@ SCENARIOS: dict[str, Scenario] = {
             "fairness", "a light tenant's TTFT p99, alone and while another floods gateway A", _fairness
         ),
         Scenario("failover", "serve --mock 4, streams in flight, kill -9 one worker", _failover),
+        Scenario(
+            "multihost", "gateway + 2 workers in netns hosts over CURVE; a link down, then up", _multihost
+        ),
         Scenario("tracing-overhead", "mock load, tracing off vs on (100%, OTLP)", _tracing),
         Scenario("routing", "prefix-load vs round-robin routing on shared system prompts", _routing),
         Scenario("peers", "tierserve vs vLLM-CPU and llama.cpp's server, same model, one run", _peers),

@@ -58,6 +58,7 @@ class StreamResult:
     finish_reason: str | None = None
     completion_tokens: int | None = None
     error: str | None = None  # an error event, a non-200 status or a broken connection
+    worker: str | None = None  # where the gateway first placed it (x-tierserve-worker)
 
     @property
     def is_complete(self) -> bool:
@@ -96,6 +97,7 @@ async def stream_completion(
     }
     try:
         async with http.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+            result.worker = response.headers.get("x-tierserve-worker")
             if response.status_code != 200:
                 result.error = f"status {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -121,9 +123,11 @@ async def stream_completion(
     return result
 
 
-async def reference_text(http: httpx.AsyncClient, base_url: str, prompt: str, max_tokens: int) -> str:
+async def reference_text(
+    http: httpx.AsyncClient, base_url: str, prompt: str, max_tokens: int, *, model: str = "mock"
+) -> str:
     """The no-failure transcript: the same greedy request, unstreamed."""
-    body = {"model": "mock", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     response = await http.post(f"{base_url}/v1/completions", json=body)
     response.raise_for_status()
     return str(response.json()["choices"][0]["text"])

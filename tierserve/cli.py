@@ -31,7 +31,7 @@ USAGE = """usage: tierserve {serve,config,keys,models,generate,worker,load,bench
   keys       CURVE keys for the gateway-worker links (keys generate DIR)
   models     manage the local model cache (models pull)
   generate   answer one prompt in-process with the engine
-  worker     run a worker daemon that dials a gateway over ZeroMQ
+  worker     run a worker daemon that dials a gateway over ZeroMQ (worker probe: its liveness check)
   load       drive an OpenAI-compatible server with a seeded workload; per-tier report and plots
   bench      run a named benchmark scenario (engine, gateway-overhead, load-smoke); --record
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] == "serve":
-        return _serve(_serve_parser().parse_args(argv[1:]))
+        return _serve(serve_parser().parse_args(argv[1:]))
     if argv[0] == "config" and argv[1:2] == ["show"]:
         from tierserve import config_show
 
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     return worker_cli.main(argv)
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def serve_parser() -> argparse.ArgumentParser:
+    """``serve``'s flags (deploy/'s manifests are checked against it: tests/deploy/)."""
     serve = argparse.ArgumentParser(
         prog="tierserve serve", description="run the OpenAI-compatible gateway and its worker processes"
     )

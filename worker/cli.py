@@ -1,4 +1,5 @@
-"""The worker side of the ``tierserve`` command line: ``models pull``, ``generate``, ``worker``.
+"""The worker side of the ``tierserve`` command line: ``models pull``, ``generate``, ``worker``,
+``worker probe`` (the liveness check of a running worker, for a Kubernetes exec probe).
 
 ``tierserve serve`` (gateway + workers) is in ``tierserve/cli.py``, the one place that may import both
 sides; ``python -m worker.cli worker`` is how the gateway starts its worker processes.
@@ -190,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="CURVE: the gateway's public key (.key file); once for every gateway, or once per --connect",
     )
     worker.add_argument(
+        "--liveness-file",
+        default=None,
+        metavar="PATH",
+        help="touch PATH whenever the loop makes progress (a finished step, an idle wait); "
+        "'tierserve worker probe' checks its age (a stuck engine lets it go stale)",
+    )
+    worker.add_argument(
         "--log-file",
         default=None,
         metavar="PATH",
@@ -200,8 +208,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_probe_parser() -> argparse.ArgumentParser:
+    """``worker probe``: its own parser, since ``worker`` itself requires ``--connect``."""
+    probe = argparse.ArgumentParser(
+        prog="tierserve worker probe",
+        description="exit 0 when the worker's loop made progress within --max-age-s, else 1 saying why "
+        "(a liveness probe: an idle worker passes, an engine stuck in a step fails)",
+    )
+    probe.add_argument("--liveness-file", required=True, metavar="PATH", help="the worker's --liveness-file")
+    probe.add_argument(
+        "--max-age-s",
+        type=_positive_seconds,
+        required=True,
+        metavar="S",
+        help="the longest a step may legitimately take (keep it above gateway.hang_timeout_s)",
+    )
+    return probe
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line ``main`` runs, parsed: ``worker probe ...`` by ``build_probe_parser`` (its
+    ``command`` is ``"probe"``), everything else by ``build_parser``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["worker", "probe"]:
+        args = build_probe_parser().parse_args(argv[2:])
+        args.command = "probe"
+        return args
+    return build_parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
+    if args.command == "probe":
+        return _probe(args)
     try:
         export_isa_env()  # before torch computes anything, so ATen and oneDNN obey TIERSERVE_CPU_ISA too
     except CpuIsaError as exc:
@@ -215,6 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         return _worker(args)
     return _generate(args)
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from worker.liveness import check
+
+    problem = check(args.liveness_file, args.max_age_s)
+    if problem is not None:
+        print(f"unhealthy: {problem}")  # the kubelet records a failed probe's output in the pod's events
+        return 1
+    return 0
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -246,12 +305,20 @@ def _worker(args: argparse.Namespace) -> int:
     from worker.daemon import WorkerDaemon
     from worker.devices import describe_device
     from worker.engine import Engine
+    from worker.liveness import NULL_LIVENESS, Liveness, LivenessFile
     from worker.models.store import step_floors_dir
 
     _configure_logging(args.verbose, args.log_file)
     if args.heartbeat_interval <= 0:
         print("error: --heartbeat-interval must be positive", file=sys.stderr)
         return 2
+    liveness: Liveness = NULL_LIVENESS
+    if args.liveness_file:
+        try:  # before the model loads: an earlier run's file must not vouch for this one
+            liveness = LivenessFile(args.liveness_file)
+        except OSError as exc:
+            print(f"error: --liveness-file: {exc}", file=sys.stderr)
+            return 2
     config = _engine_config(args)
     try:
         addresses = _addresses(args.connect)
@@ -297,6 +364,7 @@ def _worker(args: argparse.Namespace) -> int:
             curve=curve,
             orphan_timeout_s=args.orphan_timeout,
             step_floor=step_floor,
+            liveness=liveness,
         )
         if step_floor is not None:
             device = describe_device(engine.runner.device)

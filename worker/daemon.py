@@ -71,6 +71,7 @@ from worker.daemon_io import CurveClientKeys, Received, SocketIO
 from worker.devices import describe_device
 from worker.engine import Engine
 from worker.kv_events import KVEventLog
+from worker.liveness import NULL_LIVENESS, Liveness
 from worker.models.store import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES, QUANTIZED_DEFAULT_ALIASES
 from worker.outputs import RequestOutput
 from worker.request import FinishReason, TierRef
@@ -110,13 +111,16 @@ class WorkerDaemon:
         curve: CurveClientKeys | None = None,
         orphan_timeout_s: float = ORPHAN_TIMEOUT_S,
         step_floor: StepFloor | None = None,
+        liveness: Liveness = NULL_LIVENESS,
     ) -> None:
         """``connect``: the gateway address, or several (one link each, see the module docstring).
         ``model_name``: what Register announces; by default the name of ``engine.config.model``.
         ``telemetry``: traces of the requests whose Submit carries a trace context (off by default).
         ``curve``: CURVE keys for every link (plain links when None).
         ``orphan_timeout_s``: a gateway's requests are aborted once its link has been down this long.
-        ``step_floor``: what worker/calibrate.py measured, announced in Register."""
+        ``step_floor``: what worker/calibrate.py measured, announced in Register.
+        ``liveness``: beaten once per turn of the loop (after a step or an idle wait), so it goes stale
+        only while the engine is stuck in a step (worker/liveness.py)."""
         self.engine = engine
         self._tracing = _observe(engine, telemetry, worker_id)
         self.worker_id = worker_id
@@ -124,6 +128,7 @@ class WorkerDaemon:
         self.context_classes = list(context_classes)  # what Register announces; empty: every class
         self.orphan_timeout_s = orphan_timeout_s
         self.step_floor = step_floor
+        self.liveness = liveness
         self._num_steps = 0
         self._step_time_ema_ms = 0.0
         self._is_draining = False
@@ -143,6 +148,7 @@ class WorkerDaemon:
         self.io.start()
         try:
             while True:
+                self.liveness.beat()  # each turn: a step finished, or an idle wait (<= IDLE_WAIT_S) ended
                 stop = self._handle_inbound(block=not self.engine.has_unfinished())
                 self._abort_orphans()
                 self.io.stats = self._stats()  # a queued request shows in heartbeats during a long step
