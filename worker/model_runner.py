@@ -15,9 +15,9 @@ Kernels: the torch references on CPU, the Triton kernels on CUDA (``EngineConfig
 choice logged once at startup. A decode-only step (every sequence one new token) may take a faster
 road, a ``DecodeStep``: with ``cuda_graphs`` (on by default on CUDA) it replays a CUDA graph
 captured for the smallest bucket >= B, its inputs padded (``DecodeGraphs``); on CPU, with
-``cpu_kernels``, it runs one fused C call per layer (``worker.models.cpu_decode``), for any step of
-up to its ``max_rows`` tokens, prefill chunks included (a token a row). Larger prefill and mixed
-steps run the model eagerly.
+``cpu_kernels``, it runs one fused C call per layer (``worker.models.cpu_decode``), for any step its
+``can_run`` takes (up to ``max_rows`` tokens, or more in slices on the builds where that is faster),
+prefill chunks included (a token a row). Other steps run the model eagerly.
 """
 
 from __future__ import annotations

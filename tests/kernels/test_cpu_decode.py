@@ -99,15 +99,24 @@ def test_fused_step_equals_the_torch_path(
         [(99, 1), (2, 1), (40, 12), (0, 10)],  # the sliding window (8 tokens) cuts into chunks too
     ],
 )
+@pytest.mark.parametrize("rows_a_call", [None, 3])
 def test_fused_mixed_step_equals_the_torch_path(
-    kernel: DecodeLayerKernel, name: str, chunks: list[tuple[int, int]], tmp_path: Path
+    kernel: DecodeLayerKernel,
+    name: str,
+    chunks: list[tuple[int, int]],
+    rows_a_call: int | None,
+    tmp_path: Path,
 ) -> None:
-    """Prefill chunks beside decodes, a token a row: each row attends causally, within the window."""
+    """Prefill chunks beside decodes, a token a row: each row attends causally, within the window;
+    also as slices of ``rows_a_call`` rows (a chunk split across slices attends to what the slice
+    before it wrote)."""
     if kernel.dtype != torch.float32:
         pytest.skip("the float32 builds; bfloat16 rounds as in the decode test")
     _save_hf(name, tmp_path)
     model, _ = load_model(tmp_path, torch.float32)
-    got, expected, fused_caches, caches = run_step(model, kernel, chunks, random.Random(len(chunks)))
+    got, expected, fused_caches, caches = run_step(
+        model, kernel, chunks, random.Random(len(chunks)), rows_a_call
+    )
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     for ours, theirs in zip(fused_caches, caches, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
@@ -129,9 +138,13 @@ def test_fused_quantized_step_equals_the_torch_path(
     set_activation_bits(model, bits)
     assert use_quant_kernels(model, caps, kernel_dir) > 0
     kernel = load_quant_decode_kernel(isa, kernel_dir)
-    # decode rows, then prefill chunks beside a decode (a token a row)
-    for chunks in ([(n - 1, 1) for n in (100, 3, 64, 33, 9)], [(36, 1), (0, 5), (20, 7)]):
-        got, expected, _, _ = run_step(model, kernel, chunks, random.Random(5))
+    # decode rows, then prefill chunks beside a decode (a token a row), whole and in slices of 4 rows
+    for chunks, rows_a_call in [
+        ([(n - 1, 1) for n in (100, 3, 64, 33, 9)], None),
+        ([(36, 1), (0, 5), (20, 7)], None),
+        ([(36, 1), (0, 5), (20, 7)], 4),
+    ]:
+        got, expected, _, _ = run_step(model, kernel, chunks, random.Random(5), rows_a_call)
         error = float((got - expected).norm() / expected.norm())
         # the linears are the same kernel: float32 rounding elsewhere (norms, attention), which int8's
         # coarse rounding mostly absorbs (measured ~3e-7) and int16's passes on (~2e-5), as float32 does
@@ -147,11 +160,16 @@ def run_both(
 
 
 def run_step(
-    model: LlamaForCausalLM, kernel: DecodeLayerKernel, chunks: list[tuple[int, int]], rng: random.Random
+    model: LlamaForCausalLM,
+    kernel: DecodeLayerKernel,
+    chunks: list[tuple[int, int]],
+    rng: random.Random,
+    rows_a_call: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """One step of sequences given as (tokens already cached, new tokens), decodes (1 new) first as
     the scheduler lays them out, over shuffled blocks whose earlier K/V are random: by the fused kernel
-    (a token a row, each prefill row's context ending at itself) and by the model's torch path."""
+    (a token a row, each prefill row's context ending at itself; in calls of ``rows_a_call`` rows when
+    given) and by the model's torch path."""
     cfg, dtype = model.config, kernel.dtype
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
@@ -188,5 +206,8 @@ def run_step(
     with torch.inference_mode():
         expected = model(torch.tensor(input_ids), torch.tensor(positions), caches, meta)
         step = CpuDecodeStep(model, fused_caches, kernel)
+        if rows_a_call is not None:
+            step.max_rows = rows_a_call
+            assert len(positions) > rows_a_call
         got = step.run(input_ids, positions, slots, row_lens, token_rows)
     return got, expected, fused_caches, caches

@@ -30,7 +30,7 @@ def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return load_linear_kernel(isa, tmp_path_factory.mktemp("kernels"))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 33, 259])  # 259: AVX-512 row blocks of 128
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 5), (4, 16), (13, 37), (64, 576), (7, 1536), (130, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_equals_reference(kernel: CpuLinearKernel, rows: int, n: int, k: int, with_bias: bool) -> None:

@@ -6,9 +6,10 @@ A batch-1 step through torch ops is ~45 ops a layer; on SmolLM2 (30 layers, 2-co
 (float32: up to rounding, and the greedy-equivalence tests run on it; bfloat16: activations stay
 float32 through a layer, where torch rounds after every op) in one call, reading K/V from the paged
 cache in place. The runner uses it for every step of at most ``max_rows`` tokens, a token a row:
-decodes, and prefill chunks beside them (each prefill row attends up to its own position); larger
-steps keep the torch path. Through the torch path a 16-token chunk beside one decode cost ~110 ms on
-the 2-core EPYC (AVX2, float32), ~45 ops a layer around MKL's sgemm at 17 rows.
+decodes, and prefill chunks beside them (each prefill row attends up to its own position), and for
+larger steps in slices where the build was measured faster (``SLICED_MEAN_CONTEXT``); the others keep
+the torch path. Through the torch path a 16-token chunk beside one decode cost ~110 ms on the 2-core
+EPYC (AVX2, float32), ~45 ops a layer around MKL's sgemm at 17 rows.
 
 Built after ``use_decode_linears`` (same weights, same arena); skipped with one log line where the
 kernel cannot serve the model or the CPU.
@@ -39,20 +40,30 @@ from worker.models.quant import QuantLinear, is_quantized, quant_isa
 
 log = logging.getLogger(__name__)
 
-# Decode rows up to which the fused step serves: the linear kernel's own MAX_ROWS (cpu_linear.py; on
-# AVX2 it was 16 until its tile was unrolled, and the fused layer already won at 24 and 32 rows as a
-# whole: 110 vs 141 ms, 129 vs 146, TIERSERVE_CPU_ISA=avx2 on the 2-core EPYC, alternated 3x).
-MAX_ROWS = {"avx512": 32, "avx2": 32, "avx512_bf16": 32}
+# Rows of one fused call: the linear kernel's own MAX_ROWS (cpu_linear.py; on AVX2 it was 16 until its
+# tile was unrolled, and the fused layer already won at 24 and 32 rows as a whole: 110 vs 141 ms, 129
+# vs 146, TIERSERVE_CPU_ISA=avx2 on the 2-core EPYC, alternated 3x). AVX-512 float32: 128, where the
+# unrolled 4x4 tile runs at ~290 GFLOPS (MKL's sgemm ~160 on the same EPYC).
+MAX_ROWS = {"avx512": 128, "avx2": 32, "avx512_bf16": 32}
 # Block-quantized linears stay cheap per row further (qlinear.c: 32 rows 16 ms, 128 rows 53 ms for
 # SmolLM2's linears on the 2-core EPYC, VNNI), so their fused step takes larger decode batches.
 QUANT_MAX_ROWS = {"avx512_vnni": 64, "avx2": 32}
+# Builds that take a step of any size as slices of at most max_rows rows, while the rows' mean
+# context stays within this (their attention runs a row at a time; the torch path's SDPA tiles a long
+# prompt's keys). Measured on the 2-core EPYC (Zen 5), a 2,000-token prefill step, fused vs torch:
+# float32 AVX-512 10 x 200 tokens 1.75 vs 3.17 s, 1 x 2,000 3.51 vs 3.98 s; quantized VNNI 10 x 200
+# 1.61 vs 2.40 s; quantized AVX2 2.82 vs 3.40 s. float32 AVX2 lost there (2.87 vs 2.58 s: MKL's sgemm
+# is an AVX2 kernel, level with ours), so it keeps the torch path past max_rows.
+SLICED_MEAN_CONTEXT = {("float32", "avx512"): 1024, ("quant", "avx512_vnni"): 1024, ("quant", "avx2"): 1024}
 
 
 class CpuDecodeStep:
-    """``run`` one step of at most ``max_rows`` tokens, decodes and prefill chunks alike: hidden
-    states [T, hidden] (final norm applied), as ``LlamaForCausalLM.forward`` returns them. The layer
-    writes every row's K/V before any row attends, so a prefill token, given its own context length
-    (position + 1), attends causally to the chunk's earlier tokens as to the cached context."""
+    """``run`` one step, decodes and prefill chunks alike (a token a row): hidden states [T, hidden]
+    (final norm applied), as ``LlamaForCausalLM.forward`` returns them. The layer writes every row's
+    K/V before any row attends, so a prefill token, given its own context length (position + 1),
+    attends causally to the chunk's earlier tokens as to the cached context. ``can_run``: steps of
+    up to ``max_rows`` rows, and larger ones in slices where the build was measured faster than the
+    torch path (``SLICED_MEAN_CONTEXT``)."""
 
     takes_prefill = True
 
@@ -61,6 +72,8 @@ class CpuDecodeStep:
     ) -> None:
         self.model, self.kv_caches, self.kernel = model, kv_caches, kernel
         self.max_rows = (QUANT_MAX_ROWS if kernel.quantized else MAX_ROWS)[kernel.isa]
+        build = ("quant" if kernel.quantized else str(kernel.dtype).removeprefix("torch."), kernel.isa)
+        self.sliced_mean_context = SLICED_MEAN_CONTEXT.get(build)  # None: steps of max_rows at most
         cfg = model.config
         self.sliding_window = cfg.sliding_window or 0
         self.layers: list[LayerArgs] = []
@@ -124,7 +137,10 @@ class CpuDecodeStep:
         )
 
     def can_run(self, seq_lens: list[int]) -> bool:
-        return len(seq_lens) <= self.max_rows
+        if len(seq_lens) <= self.max_rows:
+            return True
+        bound = self.sliced_mean_context
+        return bound is not None and sum(seq_lens) <= bound * len(seq_lens)
 
     def run(
         self,
@@ -134,36 +150,43 @@ class CpuDecodeStep:
         seq_lens: list[int],
         block_rows: list[list[int]],
     ) -> torch.Tensor:
+        """Rows in slices of at most ``max_rows``, each through every layer before the next: a
+        request's tokens come in position order, so a later slice attends to the K/V an earlier one
+        wrote, as a later prefill chunk does (the linears stay in the row counts they are fast at,
+        and the scratch in cache)."""
         model = self.model
         num_rows = len(input_ids)
-        # float32 through the layers whatever the model's dtype (a no-op copy-free for float32)
         hidden = model.embed_tokens(torch.tensor(input_ids, dtype=torch.int64)).float()
         residual = torch.empty_like(hidden)
         cos_sin = model.cos_sin_cache[torch.tensor(positions, dtype=torch.int64)]
         header = torch.tensor([slot_mapping, seq_lens], dtype=torch.int64)
         width = max(len(row) for row in block_rows)
         tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int64)
-        need = self.kernel.work_floats(self.layers[0], num_rows)
+        rows_a_call = min(num_rows, self.max_rows)
+        need = self.kernel.work_floats(self.layers[0], rows_a_call)
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
-        step = StepArgs(
-            num_rows=num_rows,
-            hidden=hidden.data_ptr(),
-            residual=residual.data_ptr(),
-            first=1,
-            cos_sin=cos_sin.data_ptr(),
-            slots=header[0].data_ptr(),
-            block_tables=tables.data_ptr(),
-            table_width=width,
-            seq_lens=header[1].data_ptr(),
-            sliding_window=self.sliding_window,
-            work=self._work.data_ptr(),
-            num_threads=torch.get_num_threads(),
-        )
-        call, step_ref = self.kernel.layer, ctypes.byref(step)
-        for layer in self.layers:
-            call(ctypes.byref(layer), step_ref)
-            step.first = 0
+        call = self.kernel.layer
+        for start in range(0, num_rows, rows_a_call):
+            end = min(num_rows, start + rows_a_call)
+            step = StepArgs(
+                num_rows=end - start,
+                hidden=hidden[start].data_ptr(),
+                residual=residual[start].data_ptr(),
+                first=1,
+                cos_sin=cos_sin[start].data_ptr(),
+                slots=header[0, start].data_ptr(),
+                block_tables=tables[start].data_ptr(),
+                table_width=width,
+                seq_lens=header[1, start].data_ptr(),
+                sliding_window=self.sliding_window,
+                work=self._work.data_ptr(),
+                num_threads=torch.get_num_threads(),
+            )
+            step_ref = ctypes.byref(step)
+            for layer in self.layers:
+                call(ctypes.byref(layer), step_ref)
+                step.first = 0
         norm, dtype = model.norm, self.kernel.dtype
         hidden, _ = model.ops.fused_add_rms_norm(hidden.to(dtype), residual.to(dtype), norm.weight, norm.eps)
         return hidden

@@ -2,12 +2,13 @@
 
 float32: at batch 1 MKL's sgemm read the cold weights at ~12 GB/s on a 2-core EPYC, the kernel at
 ~25-30 (``kernels/cpu/linear_f32.c``); up to ``MAX_ROWS`` rows it was faster at every size measured
-(``docs/benchmarks.md``). bfloat16 on a CPU with AVX512-BF16 (``linear_bf16.c``): ~30 GB/s at one
-row where oneDNN's packed GEMV read ~16; from 4 rows oneDNN's packed weights are a little faster
-layer for layer, but packing would keep a second copy of every weight, and the decode steps that
-matter run the fused layer (``cpu_decode.py``) on these same weights. Past ``MAX_ROWS`` the layer
-calls ``F.linear`` (prefill, where MKL's / oneDNN's repacking is paid once for many rows). The
-weights move into one huge-page arena (the tied lm_head reads the embedding, one tensor).
+(``docs/benchmarks.md``), and with AVX-512 at every size (MKL's sgemm runs an AVX2 kernel on an
+EPYC). bfloat16 on a CPU with AVX512-BF16 (``linear_bf16.c``): ~30 GB/s at one row where oneDNN's
+packed GEMV read ~16; from 4 rows oneDNN's packed weights are a little faster layer for layer, but
+packing would keep a second copy of every weight, and the decode steps that matter run the fused
+layer (``cpu_decode.py``) on these same weights. Past ``MAX_ROWS`` the layer calls ``F.linear``
+(prefill, where MKL's / oneDNN's repacking is paid once for many rows). The weights move into one
+huge-page arena (the tied lm_head reads the embedding, one tensor).
 
 The probe chooses the ISA; the transform is skipped with one log line below AVX2 (float32), without
 AVX512-BF16 (bfloat16: oneDNN's packing serves those, ``cpu_packing.py``) or without a C compiler.
@@ -30,8 +31,10 @@ from worker.models.weight_arena import WeightArena
 
 log = logging.getLogger(__name__)
 
-# Rows up to which the kernel serves (float32: it beat MKL at every size up to these, 2-core EPYC).
-MAX_ROWS = {"avx512": 32, "avx2": 32, "avx512_bf16": 32}
+# Rows up to which the kernel serves (float32: it beat MKL at every size up to these, 2-core EPYC);
+# None: every row count (AVX-512 float32, its 4x4 tile in blocks of 128 rows: ~300 GFLOPS from 128
+# to 2,048 rows where MKL's sgemm ran 150-190 on the same Zen 5 EPYC).
+MAX_ROWS: dict[str, int | None] = {"avx512": None, "avx2": 32, "avx512_bf16": 32}
 
 
 class DecodeLinear(nn.Module):
@@ -47,7 +50,7 @@ class DecodeLinear(nn.Module):
         self._bound = kernel.bind(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.max_rows:
+        if x.dim() == 2 and (self.max_rows is None or x.shape[0] <= self.max_rows):
             return self._bound(x.contiguous())
         return F.linear(x, self.weight, self.bias)
 
@@ -96,11 +99,11 @@ def use_decode_linears(model: LlamaForCausalLM, caps: CpuCaps | None, cache_dir:
     model.weight_arena = arena  # type: ignore[assignment]  # owns the mapping the weights live in
     count = len(linears) + tied
     log.info(
-        "%d %s linears use the %s C kernel up to %d rows; %.0f MB of weights on %s pages",
+        "%d %s linears use the %s C kernel %s; %.0f MB of weights on %s pages",
         count,
         dtype,
         isa,
-        MAX_ROWS[isa],
+        "at any row count" if MAX_ROWS[isa] is None else f"up to {MAX_ROWS[isa]} rows",
         arena.num_bytes / 1e6,
         "2 MiB" if arena.huge_pages else "4 KiB",
     )
