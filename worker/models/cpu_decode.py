@@ -156,6 +156,7 @@ class CpuDecodeStep:
         and the scratch in cache)."""
         model = self.model
         num_rows = len(input_ids)
+        # float32 through the layers whatever the model's dtype (a no-op copy-free for float32)
         hidden = model.embed_tokens(torch.tensor(input_ids, dtype=torch.int64)).float()
         residual = torch.empty_like(hidden)
         cos_sin = model.cos_sin_cache[torch.tensor(positions, dtype=torch.int64)]
