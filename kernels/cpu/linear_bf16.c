@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "prefetch.h"
 #include "reduce16.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -133,8 +134,10 @@ TARGET static inline void store_tile_bf16(uint16_t *y, int64_t N, int64_t m0, in
         }                                                                                                \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                           \
         for (int64_t n0 = 0; n0 < N; n0 += NR) {                                                         \
+            struct prefetcher pf = prefetch_ahead(w, n0, NR, N, K * 2, (M + MR - 1) / MR);               \
             for (int64_t m0 = 0; m0 < M; m0 += MR) {                                                     \
                 int64_t mr = M - m0 < MR ? M - m0 : MR;                                                  \
+                prefetch_share(&pf);                                                                     \
                 if (N - n0 < NR) {                                                                       \
                     for (int64_t a = m0; a < m0 + mr; a++)                                               \
                         for (int64_t n = n0; n < N; n++) tile_1x1##SUF(x, w, y, bias, a, n, N, K);       \

@@ -15,38 +15,11 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "prefetch.h"
 #include "reduce16.h"
 
 #define NR 4 /* w rows per tile */
 #define ROW_BLOCK 128 /* x rows a pass over w: 128 x 1536 floats, 768 KiB */
-
-/* The w tile PF_TILES tiles ahead (rows n0 + PF_TILES * tile_rows ...), fetched into L2 a share before
- * each group of x rows, so that its memory read overlaps the tiles' arithmetic. Without it the tiles
- * waited on each new w tile: SmolLM2's 120 linears at 32 rows took 38 ms with AVX-512, 24 with it
- * (2-core Zen 5 EPYC; distances of 1-4 tiles and L1 or L2 measured alike, 1 with outliers). */
-#define PF_TILES 2
-struct prefetcher {
-    const char *next;
-    int64_t num_lines, fetched, num_groups, group;
-};
-
-static inline struct prefetcher prefetch_ahead(const float *w, int64_t n0, int64_t tile_rows, int64_t N,
-                                               int64_t K, int64_t num_groups) {
-    struct prefetcher pf = {0, 0, 0, num_groups, 0};
-    int64_t ahead = n0 + tile_rows * PF_TILES;
-    if (ahead < N) {
-        int64_t rows = N - ahead < tile_rows ? N - ahead : tile_rows;
-        pf.next = (const char *)(w + ahead * K);
-        pf.num_lines = (rows * K * (int64_t)sizeof(float) + 63) / 64;
-    }
-    return pf;
-}
-
-static inline void prefetch_share(struct prefetcher *pf) {
-    pf->group++;
-    for (int64_t upto = pf->num_lines * pf->group / pf->num_groups; pf->fetched < upto; pf->fetched++)
-        _mm_prefetch(pf->next + pf->fetched * 64, _MM_HINT_T1);
-}
 
 /* mr (<= 4) x rows by nr (<= NR) w rows, one accumulator an output. Always inlined with mr and nr
  * constants (tile_mn_avx512's switch), so the loops unroll and the 16 accumulators stay in registers;
@@ -150,7 +123,7 @@ void linear_f32_avx512(const float *x, const float *w, const float *bias, float 
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NR) {
         int64_t nr = N - n0 < NR ? N - n0 : NR;
-        struct prefetcher pf = prefetch_ahead(w, n0, NR, N, K, (M + 3) / 4);
+        struct prefetcher pf = prefetch_ahead(w, n0, NR, N, K * sizeof(float), (M + 3) / 4);
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             prefetch_share(&pf);
             tile_mn_avx512(x + m0 * K, w + n0 * K, y + m0 * N + n0, bias ? bias + n0 : 0, M - m0 < 4 ? M - m0 : 4,
@@ -244,7 +217,7 @@ __attribute__((target("avx2,fma")))
 static void rows_of_x_avx2(const float *x, const float *w, float *y, const float *bias, int64_t M,
                            int64_t n0, int64_t nr, int64_t N, int64_t K) {
     const float *wn = w + n0 * K, *bn = bias ? bias + n0 : 0;
-    struct prefetcher pf = prefetch_ahead(w, n0, TN, N, K, (M + TM - 1) / TM);
+    struct prefetcher pf = prefetch_ahead(w, n0, TN, N, K * sizeof(float), (M + TM - 1) / TM);
     int64_t m0 = 0;
     for (; m0 + TM <= M; m0 += TM) {
         prefetch_share(&pf);
