@@ -23,8 +23,8 @@
 
 /* mr (<= 4) x rows by nr (<= NR) w rows, one accumulator an output. Always inlined with mr and nr
  * constants (tile_mn_avx512's switch), so the loops unroll and the 16 accumulators stay in registers;
- * with bounds known only at run time they lived on the stack (an FMA a load and a store: the tile ran
- * at ~45% of the FMA peak where this runs at ~70%, 2-core EPYC, 64 rows). */
+ * with bounds known only at run time they lived on the stack (an FMA a load and a store). SmolLM2's
+ * linears at 64 rows, cold: 203 GFLOPS then, 254 now, of a 474 GFLOPS FMA peak (2-core Zen 5 EPYC). */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 static inline __attribute__((always_inline)) void tile_avx512(const float *x, const float *w, float *y,
                                                                const float *bias, int mr, int nr,

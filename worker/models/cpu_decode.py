@@ -40,21 +40,23 @@ from worker.models.quant import QuantLinear, is_quantized, quant_isa
 
 log = logging.getLogger(__name__)
 
-# Rows of one fused call: the linear kernel's own MAX_ROWS (cpu_linear.py; on AVX2 it was 16 until its
-# tile was unrolled, and the fused layer already won at 24 and 32 rows as a whole: 110 vs 141 ms, 129
-# vs 146, TIERSERVE_CPU_ISA=avx2 on the 2-core EPYC, alternated 3x). AVX-512 float32: 128, where the
-# unrolled 4x4 tile runs at ~290 GFLOPS (MKL's sgemm ~160 on the same EPYC).
+# Rows of one fused call. AVX2: 32, the linear kernel's own MAX_ROWS (cpu_linear.py; it was 16 until
+# its tile was unrolled, and the fused layer already won at 24 and 32 rows as a whole: 110 vs 141 ms,
+# 129 vs 146, TIERSERVE_CPU_ISA=avx2 on the 2-core EPYC, alternated 3x). AVX-512 float32: 128, where
+# the unrolled 4x4 tile runs at ~290 GFLOPS (MKL's sgemm ~160 on the same EPYC).
 MAX_ROWS = {"avx512": 128, "avx2": 32, "avx512_bf16": 32}
 # Block-quantized linears stay cheap per row further (qlinear.c: 32 rows 16 ms, 128 rows 53 ms for
 # SmolLM2's linears on the 2-core EPYC, VNNI), so their fused step takes larger decode batches.
 QUANT_MAX_ROWS = {"avx512_vnni": 64, "avx2": 32}
-# Builds that take a step of any size as slices of at most max_rows rows, while the rows' mean
-# context stays within this (their attention runs a row at a time; the torch path's SDPA tiles a long
-# prompt's keys). Measured on the 2-core EPYC (Zen 5), a 2,000-token prefill step, fused vs torch:
-# float32 AVX-512 10 x 200 tokens 1.75 vs 3.17 s, 1 x 2,000 3.51 vs 3.98 s; quantized VNNI 10 x 200
-# 1.61 vs 2.40 s; quantized AVX2 2.82 vs 3.40 s. float32 AVX2 lost there (2.87 vs 2.58 s: MKL's sgemm
-# is an AVX2 kernel, level with ours), so it keeps the torch path past max_rows.
-SLICED_MEAN_CONTEXT = {("float32", "avx512"): 1024, ("quant", "avx512_vnni"): 1024, ("quant", "avx2"): 1024}
+# Builds (by ISA, float and quantized as for the row counts above) that take a step of any size as
+# slices of at most max_rows rows, while the rows' mean context stays within this (their attention
+# runs a row at a time; the torch path's SDPA tiles a long prompt's keys). Measured on the 2-core
+# EPYC (Zen 5), a 2,000-token prefill step, fused vs torch: float32 AVX-512 10 x 200 tokens 1.75 vs
+# 3.17 s, 1 x 2,000 3.51 vs 3.98 s; quantized VNNI 10 x 200 1.61 vs 2.40 s; quantized AVX2 2.82 vs
+# 3.40 s. float32 AVX2 lost there (2.87 vs 2.58 s: MKL's sgemm is an AVX2 kernel, level with ours),
+# so it keeps the torch path past max_rows.
+SLICED_MEAN_CONTEXT = {"avx512": 1024}
+QUANT_SLICED_MEAN_CONTEXT = {"avx512_vnni": 1024, "avx2": 1024}
 
 
 class CpuDecodeStep:
@@ -72,8 +74,8 @@ class CpuDecodeStep:
     ) -> None:
         self.model, self.kv_caches, self.kernel = model, kv_caches, kernel
         self.max_rows = (QUANT_MAX_ROWS if kernel.quantized else MAX_ROWS)[kernel.isa]
-        build = ("quant" if kernel.quantized else str(kernel.dtype).removeprefix("torch."), kernel.isa)
-        self.sliced_mean_context = SLICED_MEAN_CONTEXT.get(build)  # None: steps of max_rows at most
+        sliced = QUANT_SLICED_MEAN_CONTEXT if kernel.quantized else SLICED_MEAN_CONTEXT
+        self.sliced_mean_context = sliced.get(kernel.isa)  # None: steps of max_rows at most
         cfg = model.config
         self.sliding_window = cfg.sliding_window or 0
         self.layers: list[LayerArgs] = []
