@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
-import operator
 from collections import Counter
 from dataclasses import dataclass
 
@@ -36,11 +34,22 @@ log = logging.getLogger(__name__)
 
 ZAP_DOMAIN = b"tierserve-workers"
 LOG_EVERY = 100  # a refused worker redials about once a second: log its first refusal, then every 100th
-# Failures before ZAP is asked (AuthorizedKeys logs the ones it refuses itself).
-_HANDSHAKE_FAILURES: dict[int, str] = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail: a worker holding another gateway's public key?",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol: a worker without CURVE keys?",
+# Failures before ZAP is asked (AuthorizedKeys logs the ones it refuses itself). libzmq puts the
+# reason of a PROTOCOL failure in the event's value; NO_DETAIL is a connection lost mid-handshake.
+_WATCHED_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_PROTOCOL_FAILURES: dict[int, str] = {
+    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "mechanism mismatch: a worker without CURVE keys?",
+    zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "cryptographic: a worker holding another gateway's public key?",
 }
+
+
+def handshake_failure(event: int, value: int) -> str | None:
+    """Why a monitor event says a handshake failed, in words; None for other events."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return "no detail: the worker hung up mid-handshake, as one without CURVE keys may"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return _PROTOCOL_FAILURES.get(value, f"protocol error {value:#x}")
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +112,14 @@ class CurveServer:
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         self._sock = sock
-        self._monitor = sock.get_monitor_socket(functools.reduce(operator.or_, _HANDSHAKE_FAILURES))
+        self._monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
         self.num_failed_handshakes: Counter[str] = Counter()
 
     async def watch(self) -> None:
         """Log failed handshakes (rate-limited per kind) until cancelled."""
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            why = _HANDSHAKE_FAILURES.get(event["event"])
+            why = handshake_failure(event["event"], event["value"])
             if why is None:
                 continue
             self.num_failed_handshakes[why] += 1
