@@ -27,7 +27,8 @@
  * int16 pairs (even bytes, odd bytes) against pairs of x (dpwssd / madd): twice the instructions.
  *
  * Tiles of GR groups (8 rows each) x MR rows of x; one OpenMP loop over tiles of weight groups
- * (libgomp is torch's, so this shares its threads). Each (m, n) is summed in the same order whatever
+ * (libgomp is torch's, so this shares its threads). The VNNI build runs pairs of groups against x in
+ * int16 as tile512: 512-bit vectors, up to 8 rows of x a weight vector, bit-identical to tile. Each (m, n) is summed in the same order whatever
  * M and the tile: a row's output does not depend on its batch. Built once per ISA
  * (kernels/cpu/build.py); QNAME gives the exported names their ISA suffix.
  */
@@ -213,6 +214,97 @@ static inline __attribute__((always_inline)) void tile(int kind, int bits, int g
     }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* The same sums for two weight groups at once in 512-bit vectors (lanes 0-7 group g0's rows, 8-15
+ * g0 + 1's) against up to MR512 rows of x, x in int16: a weight vector is unpacked once for eight rows
+ * and each dpwssd does 32 products, twice tile's. Every lane sums the same integers and applies the
+ * same float operations in the same order as tile, so the outputs are bit-identical to it. */
+#define MR512 8
+static inline __m512i load_pair(const uint8_t *p0, const uint8_t *p1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p0)),
+                              _mm256_loadu_si256((const __m256i *)p1), 1);
+}
+static inline __m512 load_pair_ps(const float *p0, const float *p1) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p0)), _mm256_loadu_ps(p1), 1);
+}
+static inline __m512i bcast4_512(const void *p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) void tile512(int kind, int mr, const int16_t *qx,
+                                                          const float *dx, const float *sx, int64_t m0,
+                                                          int64_t K, const uint8_t *qs, const float *dw,
+                                                          const float *cw, const float *bias, float *y,
+                                                          int64_t n0, int64_t N) {
+    const int64_t nb = K / QK, g0 = n0 / LANES;
+    const int64_t group_bytes = (kind == KIND_Q8 ? K : K / 2) * LANES;
+    const int64_t block_bytes = (kind == KIND_Q8 ? QK : QK / 2) * LANES;
+    const int nvec = kind == KIND_Q8 ? 8 : 4;
+    const int has_c = kind == KIND_Q4 || cw != 0;
+    const __m512i low = _mm512_set1_epi8(0x0F), even = _mm512_set1_epi16(0x00FF);
+    __m512 acc[MR512];
+    for (int j = 0; j < mr; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i isum[MR512];
+        for (int j = 0; j < mr; j++) isum[j] = _mm512_setzero_si512();
+        const uint8_t *p0 = qs + g0 * group_bytes + b * block_bytes, *p1 = p0 + group_bytes;
+        for (int q = 0; q < nvec; q++) {
+            const __m512i v = load_pair(p0 + 32 * q, p1 + 32 * q);
+            if (kind == KIND_Q4) {
+                const __m512i lo = _mm512_and_si512(v, low);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                const __m512i a0 = _mm512_and_si512(lo, even), a1 = _mm512_srli_epi16(lo, 8);
+                const __m512i a2 = _mm512_and_si512(hi, even), a3 = _mm512_srli_epi16(hi, 8);
+                for (int j = 0; j < mr; j++) {
+                    const int16_t *xr = qx + (m0 + j) * K + b * QK + 8 * q;
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], a0, bcast4_512(xr));
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], a1, bcast4_512(xr + 2));
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], a2, bcast4_512(xr + 4));
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], a3, bcast4_512(xr + 6));
+                }
+            } else {
+                const __m512i a0 = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), a1 = _mm512_srai_epi16(v, 8);
+                for (int j = 0; j < mr; j++) {
+                    const int16_t *xr = qx + (m0 + j) * K + b * QK + 4 * q;
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], a0, bcast4_512(xr));
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], a1, bcast4_512(xr + 2));
+                }
+            }
+        }
+        const __m512 d = load_pair_ps(dw + (g0 * nb + b) * LANES, dw + ((g0 + 1) * nb + b) * LANES);
+        const __m512 c = has_c ? load_pair_ps(cw + (g0 * nb + b) * LANES, cw + ((g0 + 1) * nb + b) * LANES) : d;
+        for (int j = 0; j < mr; j++) {
+            __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[(m0 + j) * nb + b]));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), scale, acc[j]);
+            if (has_c) acc[j] = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[(m0 + j) * nb + b]), acc[j]);
+        }
+    }
+    const int64_t here = N - n0 < 2 * LANES ? N - n0 : 2 * LANES; /* the last group's padding: not stored */
+    const __mmask16 keep = (__mmask16)((1u << here) - 1u);
+    for (int j = 0; j < mr; j++) {
+        __m512 v = acc[j];
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0));
+        _mm512_mask_storeu_ps(y + (m0 + j) * N + n0, keep, v);
+    }
+}
+
+#define ROWS_OF_X512(KIND)                                                                              \
+    for (int64_t m0 = 0; m0 < M; m0 += MR512) {                                                         \
+        switch (M - m0 >= MR512 ? MR512 : (int)(M - m0)) {                                              \
+        case 8: tile512(KIND, 8, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;               \
+        case 7: tile512(KIND, 7, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;               \
+        case 6: tile512(KIND, 6, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;               \
+        case 5: tile512(KIND, 5, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;               \
+        case 4: tile512(KIND, 4, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;               \
+        case 3: tile512(KIND, 3, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;               \
+        case 2: tile512(KIND, 2, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;               \
+        default: tile512(KIND, 1, qx, dx, sx, m0, K, qs, dw, cw, bias, y, n0, N); break;              \
+        }                                                                                               \
+    }
+#endif
+
 #define ROWS_OF_X(KIND, BITS, GRV)                                                                      \
     for (int64_t m0 = 0; m0 < M; m0 += MR) {                                                            \
         switch (M - m0 >= MR ? MR : (int)(M - m0)) {                                                    \
@@ -232,6 +324,13 @@ static inline __attribute__((always_inline)) void tile(int kind, int bits, int g
 static void weight_tile(int kind, int bits, const void *qx, const float *dx, const float *sx, int64_t M,
                         int64_t K, const uint8_t *qs, const float *dw, const float *cw, const float *bias,
                         float *y, int64_t n0, int64_t groups, int64_t N) {
+#ifdef MR512
+    if (bits == 16 && groups == 2) {
+        if (kind == KIND_Q8) { ROWS_OF_X512(KIND_Q8) }
+        else { ROWS_OF_X512(KIND_Q4) }
+        return;
+    }
+#endif
     if (bits == 8 && kind == KIND_Q8) { BY_GROUPS(KIND_Q8, 8) }
     else if (bits == 8) { BY_GROUPS(KIND_Q4, 8) }
     else if (kind == KIND_Q8) { BY_GROUPS(KIND_Q8, 16) }

@@ -22,7 +22,11 @@ from kernels.quant_format import GGUF_KINDS, KINDS, QuantizedWeight, Unsupported
 from worker.cpu_isa import probe
 from worker.models.quant import quant_isa
 
-SHAPES = [(1, 8, 32), (1, 7, 64), (3, 9, 96), (4, 16, 32), (5, 25, 64), (33, 12, 128), (2, 40, 576)]
+# (rows, num_out, num_in): tails everywhere; 19 rows and 7 groups take the VNNI build's 512-bit tile
+# over pairs of groups, 8 rows of x and then 3, with a lone group left over
+SHAPES = [
+    (1, 8, 32), (1, 7, 64), (3, 9, 96), (4, 16, 32), (5, 25, 64), (19, 50, 96), (33, 12, 128), (2, 40, 576),
+]  # fmt: skip
 
 
 def runnable(isa: str) -> bool:

@@ -45,9 +45,10 @@ log = logging.getLogger(__name__)
 # 129 vs 146, TIERSERVE_CPU_ISA=avx2 on the 2-core EPYC, alternated 3x). AVX-512 float32: 128, where
 # the unrolled 4x4 tile runs at ~290 GFLOPS (MKL's sgemm ~160 on the same EPYC).
 MAX_ROWS = {"avx512": 128, "avx2": 32, "avx512_bf16": 32}
-# Block-quantized linears stay cheap per row further (qlinear.c: 32 rows 16 ms, 128 rows 53 ms for
-# SmolLM2's linears on the 2-core EPYC, VNNI), so their fused step takes larger decode batches.
-QUANT_MAX_ROWS = {"avx512_vnni": 64, "avx2": 32}
+# Block-quantized linears: VNNI's 512-bit tile (qlinear.c's tile512) runs SmolLM2's linears at 32
+# rows in 18 ms, 128 rows in 55 ms (~490 GFLOPS) on the 2-core EPYC (Zen 5); a 10 x 200-token
+# prefill step took 1.12 s in slices of 64 rows, ~1.0 in slices of 128 (256 and 512: no better).
+QUANT_MAX_ROWS = {"avx512_vnni": 128, "avx2": 32}
 # Builds (by ISA, float and quantized as for the row counts above) that take a step of any size as
 # slices of at most max_rows rows, while the rows' mean context stays within this (their attention
 # runs a row at a time; the torch path's SDPA tiles a long prompt's keys). Measured on the 2-core
