@@ -3,7 +3,7 @@
     tierserve serve ...                      the gateway and its worker processes (here)
     tierserve config show [--config FILE]    the effective configuration (``config_show.py``)
     tierserve keys generate DIR              a CURVE key pair for a worker link (here)
-    tierserve models pull | generate | worker    the worker side (``worker/cli.py``)
+    tierserve models pull | generate | worker    the worker side (``worker/cli.py``; ``cli_parser.py``)
     tierserve load | bench                   the load generator and benchmarks (``loadtest/``)
 
 ``gateway/`` and ``worker/`` never import each other; the gateway starts workers as processes.

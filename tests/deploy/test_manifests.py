@@ -48,6 +48,7 @@ from wire.config import ServerConfig, load_config
 from wire.curve import load_authorized_keys, load_key_pair
 from wire.messages import Register
 from worker import cli as worker_cli
+from worker.cli_parser import parse_args as parse_worker_args
 
 GATEWAY, WORKER = "tierserve-gateway", "tierserve-worker"
 
@@ -68,7 +69,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     try:
         if argv[1] == "serve":
             return tierserve_cli.serve_parser().parse_args(argv[2:])
-        return worker_cli.parse_args(argv[1:])
+        return parse_worker_args(argv[1:])
     except SystemExit:
         pytest.fail(f"tierserve does not accept {argv} (its error is above)")
 

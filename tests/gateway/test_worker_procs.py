@@ -64,7 +64,7 @@ def test_pool_args_pass_the_device_and_its_memory_settings() -> None:
 
 
 def test_the_worker_cli_takes_every_flag_pool_args_gives() -> None:
-    from worker.cli import build_parser
+    from worker.cli_parser import build_parser
 
     pool = ModelPool(name="m", device="cuda", kv_cache_gb=2.0, cuda_graphs=False, context_classes=("short",))
     args = build_parser().parse_args(["worker", "--connect", "tcp://127.0.0.1:1", *pool_args(pool)])
