@@ -44,6 +44,10 @@ class EngineConfig:
     keep_full_precision: tuple[str, ...] = ()
     # decode-only steps replay CUDA graphs (batch-size buckets); None: on with CUDA + Triton, else off
     cuda_graphs: bool | None = None
+    # This engine's share of a tensor-parallel model (worker/models/tensor_parallel.py): its rank among
+    # tensor_parallel_size ranks, every one in torch.distributed's default group, set up by the caller.
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -71,6 +75,9 @@ class EngineConfig:
             raise ValueError(
                 f"kernel_backend: expected one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}"
             )
+        if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
+            last = self.tensor_parallel_size - 1
+            raise ValueError(f"tensor_parallel_rank {self.tensor_parallel_rank} is not in 0..{last}")
         if self.cuda_graphs and (self.device == "cpu" or self.kernel_backend == "torch"):
             raise ValueError(
                 f"cuda_graphs: needs a cuda device and the Triton kernels (device={self.device!r}, "

@@ -23,6 +23,7 @@ prefill chunks included (a token a row). Other steps run the model eagerly.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
 import time
@@ -43,7 +44,7 @@ from worker.config import EngineConfig
 from worker.cpu_isa import probe
 from worker.devices import resolve_device
 from worker.kv_budget import kv_cache_blocks
-from worker.models.config import ModelConfig
+from worker.models.config import ModelConfig, UnsupportedModelError
 from worker.models.cpu_decode import fused_decode_step
 from worker.models.cpu_linear import use_decode_linears
 from worker.models.cpu_packing import pack_linears_if_supported
@@ -322,6 +323,21 @@ def apply_quantization(model: LlamaForCausalLM, config: EngineConfig, model_path
         keep_full_precision(model, keep, config.torch_dtype)
 
 
+def _shard(model: LlamaForCausalLM, config: EngineConfig) -> ModelConfig:
+    """Keep this rank's shard (worker/models/tensor_parallel.py); its config sizes the KV cache."""
+    from worker.models.tensor_parallel import plan_shards, shard_model
+
+    if is_quantized(model):
+        raise UnsupportedModelError("tensor parallelism takes float weights; this model is quantized")
+    plan = plan_shards(model.config, config.tensor_parallel_rank, config.tensor_parallel_size)
+    sharded = shard_model(model, plan)
+    log.info(
+        "tensor parallel rank %d of %d: query heads %s, K/V heads %s, MLP channels %s, vocabulary %s",
+        plan.rank, plan.world, plan.q_heads, plan.kv_heads, plan.inter, plan.vocab,
+    )  # fmt: skip
+    return sharded
+
+
 def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRunner, ModelConfig, int]:
     """Load the model, size and allocate its KV cache: (runner, model config, number of KV blocks)."""
     config = resolve_device(config)
@@ -330,6 +346,10 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
     attention = make_attention_backend(backend)
     model, model_config = load_model(model_path, config.torch_dtype, device, attention)
     apply_quantization(model, config, model_path)
+    if config.tensor_parallel_size > 1:
+        model_config = _shard(model, config)
+        # the torch path: the fused C layer and CUDA graphs do not take a sharded layer's all-reduces
+        config = dataclasses.replace(config, cpu_kernels=False, cuda_graphs=False)
     if backend is KernelBackend.TRITON:
         from kernels.triton_ops.layer_ops import TritonLayerOps
 
