@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -116,67 +117,99 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Run one step; return the requests that need a new token and their logits [N, V] fp32."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sampled: list[Request] = []
-        # The scheduler's layout: decodes first (longest first), then prefill chunks.
-        num_decodes = sum(1 for r in out.scheduled if out.num_scheduled_tokens[r.request_id] == 1)
-        scheduled = out.scheduled
-        for request in scheduled:
-            start = request.num_computed_tokens
-            num_new = out.num_scheduled_tokens[request.request_id]
-            end = start + num_new
-            input_ids.extend(request.all_token_ids[start:end])
-            span = range(start, end)
-            positions.extend(span)
-            block_ids = request.block_ids
-            slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in span)
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            seq_lens.append(end)
-            if end == request.num_tokens:
-                logits_indices.append(query_start_loc[-1] - 1)
-                sampled.append(request)
-
-        device = self.device
+        step, sampled = step_inputs(out, self.block_size)
         fast = self.decode_step
-        decode_only = num_decodes == len(scheduled)
+        decode_only = step.num_decodes == len(out.scheduled)
         # one row a token: a decode's context is its sequence's; a prefill token's ends at itself
-        row_lens = seq_lens if decode_only else [p + 1 for p in positions]
+        row_lens = step.seq_lens if decode_only else [p + 1 for p in step.positions]
         if fast is not None and (decode_only or fast.takes_prefill) and fast.can_run(row_lens):
             block_rows = [
-                r.block_ids for r in scheduled for _ in range(out.num_scheduled_tokens[r.request_id])
+                r.block_ids for r in out.scheduled for _ in range(out.num_scheduled_tokens[r.request_id])
             ]
-            hidden = fast.run(input_ids, positions, slot_mapping, row_lens, block_rows)
-        else:
-            max_blocks = max(len(r.block_ids) for r in scheduled)
-            block_tables = torch.tensor(
-                [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in scheduled], dtype=torch.int64
-            )
-            meta = AttentionMetadata.build(
-                slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens,
-                block_tables=block_tables.to(device),
-                num_decodes=num_decodes,
-                block_size=bs,
-                sliding_window=self.model.config.sliding_window,
-                backend=self.backend,
-            )
-            hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device),
-                self.kv_caches,
-                meta,
-            )
-        if not sampled:
-            return [], torch.empty(0)
-        index = torch.tensor(logits_indices, dtype=torch.int64, device=device)
-        return sampled, self.model.compute_logits(hidden.index_select(0, index))
+            hidden = fast.run(step.input_ids, step.positions, step.slot_mapping, row_lens, block_rows)
+            return sampled, self.logits(hidden, step)
+        return sampled, self.forward(step)
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """The eager model over ``step``: the logits of its ``logits_indices`` rows (empty: none)."""
+        device = self.device
+        meta = AttentionMetadata.build(
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=device),
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            block_tables=step.block_tables().to(device),
+            num_decodes=step.num_decodes,
+            block_size=self.block_size,
+            sliding_window=self.model.config.sliding_window,
+            backend=self.backend,
+        )
+        hidden = self.model(
+            torch.tensor(step.input_ids, dtype=torch.int64, device=device),
+            torch.tensor(step.positions, dtype=torch.int64, device=device),
+            self.kv_caches,
+            meta,
+        )
+        return self.logits(hidden, step)
+
+    def logits(self, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        if not step.logits_indices:
+            return torch.empty(0)
+        index = torch.tensor(step.logits_indices, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index))
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's flat ragged batch, in the scheduler's layout (decodes first, then prefill chunks):
+    a token per row of ``input_ids`` / ``positions`` / ``slot_mapping``, a sequence per row of
+    ``seq_lens`` / ``block_tables`` (zero-padded), and the rows whose logits are sampled."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_ids: list[list[int]]  # each sequence's blocks (its request's own list: read, not copied)
+    num_decodes: int
+    logits_indices: list[int]
+
+    def block_tables(self) -> torch.Tensor:
+        """[num_seqs, max_blocks] int64 on the CPU, each row zero-padded."""
+        width = max(len(ids) for ids in self.block_ids)
+        return torch.tensor([ids + [0] * (width - len(ids)) for ids in self.block_ids], dtype=torch.int64)
+
+
+def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list[Request]]:
+    """``out`` as model inputs, and the requests whose last new token is sampled (in row order)."""
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    logits_indices: list[int] = []
+    sampled: list[Request] = []
+    num_decodes = sum(1 for r in out.scheduled if out.num_scheduled_tokens[r.request_id] == 1)
+    for request in out.scheduled:
+        start = request.num_computed_tokens
+        num_new = out.num_scheduled_tokens[request.request_id]
+        end = start + num_new
+        input_ids.extend(request.all_token_ids[start:end])
+        span = range(start, end)
+        positions.extend(span)
+        block_ids = request.block_ids
+        slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in span)
+        query_start_loc.append(query_start_loc[-1] + num_new)
+        seq_lens.append(end)
+        if end == request.num_tokens:
+            logits_indices.append(query_start_loc[-1] - 1)
+            sampled.append(request)
+    step = StepInputs(
+        input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, block_ids=[r.block_ids for r in out.scheduled],
+        num_decodes=num_decodes, logits_indices=logits_indices,
+    )  # fmt: skip
+    return step, sampled
 
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -393,7 +426,12 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
     if config.cpu_kernels and caps is not None:
         decode_step = fused_decode_step(model, kv_caches, caps, kernel_cache_dir())
     graphs = decode_graphs(config, model, kv_caches, mc, device, backend)
-    runner = ModelRunner(model, kv_caches, config.block_size, device, backend, graphs or decode_step)
+    runner_class = ModelRunner
+    if config.tensor_parallel_size > 1:
+        from worker.tp_step import TensorParallelRunner  # imports this module
+
+        runner_class = TensorParallelRunner
+    runner = runner_class(model, kv_caches, config.block_size, device, backend, graphs or decode_step)
     return runner, model_config, num_blocks
 
 

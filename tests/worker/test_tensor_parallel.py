@@ -1,15 +1,13 @@
-"""Tensor parallelism on CPU: two real processes over gloo, each an Engine holding its shard, give the
-greedy tokens one unsharded engine gives, on tiny models of every attention layout.
-
-The two ranks' engines see the same requests and the fcfs policies, so their schedulers take the same
-steps, and each step's all-reduces meet. (The worker that drives ranks from one scheduler is the next
-piece of issue 18; this checks the model's split.)
+"""Tensor parallelism on CPU: two real processes over gloo — rank 0 an Engine (scheduler, sampler) on
+its shard, rank 1 following the steps rank 0 sends — give the greedy tokens one unsharded engine
+gives, on tiny models of every attention layout.
 """
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from worker.model_runner import build_model_runner
 from worker.models.config import UnsupportedModelError, load_model_config
 from worker.models.tensor_parallel import plan_shards
 from worker.policy_set import WorkerPolicies
+from worker.tp_step import TensorParallelRunner, follow
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,25 +41,33 @@ PROMPTS = [[3 + (i * 11 + j) % 200 for j in range(n)] for i, n in enumerate((2, 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def _engine(path: Path, world: int = 1, rank: int = 0) -> Engine:
-    config = EngineConfig(
+def _config(path: Path, world: int = 1, rank: int = 0) -> EngineConfig:
+    return EngineConfig(
         model=str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=8, max_num_seqs=8,
         cpu_kernels=False, tensor_parallel_size=world, tensor_parallel_rank=rank,
     )  # fmt: skip
+
+
+def _engine(path: Path, world: int = 1, rank: int = 0) -> Engine:
+    config = _config(path, world, rank)
     runner, model_config, num_blocks = build_model_runner(config, path)
-    return Engine(config, ByteTokenizer(), runner, model_config, num_blocks, WorkerPolicies.baseline())
+    return Engine(config, ByteTokenizer(), runner, model_config, num_blocks, WorkerPolicies.tiered())
 
 
-def _rank(
-    rank: int, world: int, address: str, folders: list[Path], results: dict[str, list[list[int]]]
-) -> None:
+def _rank(rank: int, world: int, address: str, folders: list[Path], results: dict[str, Any]) -> None:
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         for folder in folders:
-            tokens = [c.token_ids for c in _engine(folder, world, rank).generate(PROMPTS, PARAMS)]
             if rank == 0:
-                results[folder.name] = tokens
+                engine = _engine(folder, world, rank)
+                results[folder.name] = [c.token_ids for c in engine.generate(PROMPTS, PARAMS)]
+                assert isinstance(engine.runner, TensorParallelRunner)
+                engine.runner.close()
+                results[f"{folder.name} steps"] = engine.runner.num_steps_sent
+            else:
+                runner, _, _ = build_model_runner(_config(folder, world, rank), folder)
+                results[f"{folder.name} followed"] = follow(runner)
     finally:
         dist.destroy_process_group()
 
@@ -84,6 +91,7 @@ def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path: Path) -> None:
     for folder in folders:
         alone = [c.token_ids for c in _engine(folder).generate(PROMPTS, PARAMS)]
         assert sharded[folder.name] == alone, folder.name
+        assert sharded[f"{folder.name} followed"] == sharded[f"{folder.name} steps"] >= PARAMS.max_tokens
         assert all(len(tokens) == PARAMS.max_tokens for tokens in alone)
 
 
