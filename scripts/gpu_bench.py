@@ -215,8 +215,9 @@ def roofline_8b(device: torch.device, shape: dict[str, Any], copy: dict, graphs:
     from kernels.triton_ops.layer_ops import TritonLayerOps
     from worker.attention import KernelBackend, TritonPagedAttention, allocate_kv_cache
     from worker.config import EngineConfig
+    from worker.decode_graphs import DecodeGraphs
     from worker.engine import Engine
-    from worker.model_runner import DecodeGraphs, ModelRunner
+    from worker.model_runner import ModelRunner
     from worker.models.config import load_model_config
     from worker.models.llama import LlamaForCausalLM
 

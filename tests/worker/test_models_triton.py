@@ -28,8 +28,9 @@ from worker.attention import (
     allocate_kv_cache,
 )
 from worker.config import EngineConfig
+from worker.decode_graphs import DecodeGraphs
 from worker.engine import Engine
-from worker.model_runner import DecodeGraphs, ModelRunner, build_model_runner
+from worker.model_runner import ModelRunner, build_model_runner
 from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_model
 from worker.precision import resolve_dtype
