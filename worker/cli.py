@@ -27,6 +27,7 @@ from worker.policy_set import WorkerPolicies
 if TYPE_CHECKING:
     from worker.config import EngineConfig
     from worker.daemon_io import CurveClientKeys
+    from worker.tp_ranks import TensorParallelRanks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +110,11 @@ def _worker(args: argparse.Namespace) -> int:
     except (ValueError, PolicyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.tensor_parallel_size < 1 or (args.mock and args.tensor_parallel_size > 1):
+        print("error: --tensor-parallel-size must be at least 1, and 1 with --mock", file=sys.stderr)
+        return 2
     engine: Engine
+    ranks: TensorParallelRanks | None = None
     if args.mock:
         from worker.mock import MockCost, build_mock_engine  # lazy: torch-free tests never load it
 
@@ -123,6 +128,10 @@ def _worker(args: argparse.Namespace) -> int:
         )
     else:
         try:
+            if args.tensor_parallel_size > 1:
+                from worker.tp_ranks import TensorParallelRanks
+
+                ranks, config = TensorParallelRanks.start(config, args.tensor_parallel_size)
             engine = Engine.from_config(config, policies)
         except Exception as exc:  # a worker that cannot start says why in one line, then exits 1
             return _cannot_start(exc, args.log_file)
@@ -156,6 +165,8 @@ def _worker(args: argparse.Namespace) -> int:
                 logging.getLogger(__name__).warning("could not save the step floor: %s", exc)
         return daemon.run()
     finally:
+        if ranks is not None:
+            ranks.close(engine.runner)  # the other ranks stop after the last step
         telemetry.shutdown()  # flush the last spans before the process goes
 
 
@@ -169,6 +180,7 @@ STARTUP_LOGGERS = (
     "worker.models.cpu_linear",
     "kernels.cpu.build",
     "worker.model_runner",
+    "worker.tp_ranks",
 )
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

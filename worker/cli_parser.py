@@ -186,6 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="also log here (INFO and up); a failed start ends it with one line: 'cannot start: ...'",
     )
+    worker.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split a float model across N ranks: this process and N-1 it starts (gloo on CPU, NCCL on "
+        "CUDA: rank r on cuda:r); one rank exiting stops the worker",
+    )
     worker.add_argument("-v", "--verbose", action="store_true")
     _add_engine_args(worker)
     return parser
