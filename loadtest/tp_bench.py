@@ -14,7 +14,6 @@ the speeds only show what the all-reduces cost; equality is the point: ``tp_equa
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 
+from loadtest.launch import free_port
 from loadtest.record import machine
 from wire.byte_tokenizer import ByteTokenizer
 from wire.sampling import SamplingParams
@@ -113,24 +113,22 @@ def _rank(rank: int, size: int, address: str, path: Path, batch: list[list[int]]
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def measure(
     name: str, path: Path, size: int, batch: list[list[int]], params: SamplingParams
 ) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    engine = _engine(path)
-    _generate(engine, batch[:1], SamplingParams(max_tokens=2, temperature=0.0))
-    alone, tok_s_1 = _generate(engine, batch, params)
-    del engine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tp=1 on one thread, as each rank runs: the caller's count is restored
+    try:
+        engine = _engine(path)
+        _generate(engine, batch[:1], SamplingParams(max_tokens=2, temperature=0.0))
+        alone, tok_s_1 = _generate(engine, batch, params)
+        del engine
+    finally:
+        torch.set_num_threads(threads)
     progress(f"{name}: tp=1 {tok_s_1:.1f} tok/s; tp={size} over gloo ...")
     with mp.Manager() as manager:
         results = manager.dict()
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        address = f"tcp://127.0.0.1:{free_port()}"
         mp.spawn(_rank, args=(size, address, path, batch, params, results), nprocs=size, join=True)
         sharded = dict(results)
     equal = sharded["tokens"] == alone

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -156,7 +155,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, index))
 
 
-@dataclass(slots=True)
+@dataclasses.dataclass(slots=True)
 class StepInputs:
     """One step's flat ragged batch, in the scheduler's layout (decodes first, then prefill chunks):
     a token per row of ``input_ids`` / ``positions`` / ``slot_mapping``, a sequence per row of

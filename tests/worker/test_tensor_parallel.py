@@ -5,7 +5,6 @@ gives, on tiny models of every attention layout.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from loadtest.launch import free_port
 from tests.worker.test_models_tiny import _save_hf
 from wire.byte_tokenizer import ByteTokenizer
 from wire.sampling import SamplingParams
@@ -72,12 +72,6 @@ def _rank(rank: int, world: int, address: str, folders: list[Path], results: dic
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path: Path) -> None:
     folders = []
     for name in MODELS:
@@ -85,7 +79,7 @@ def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path: Path) -> None:
         folders.append(tmp_path / name)
     with mp.Manager() as manager:
         results = manager.dict()
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        address = f"tcp://127.0.0.1:{free_port()}"
         mp.spawn(_rank, args=(2, address, folders, results), nprocs=2, join=True)
         sharded = dict(results)
     for folder in folders:
