@@ -145,9 +145,14 @@ async def _run(
         for launch in options.pools if options.launch_workers else ():
             pins = [launch.env_of(i).get("CUDA_VISIBLE_DEVICES") for i in range(launch.num_workers)]
             gpus = f", CUDA_VISIBLE_DEVICES {' / '.join(p for p in pins if p)}" if any(pins) else ""
+            ranks = (
+                f", {launch.ranks_per_worker} tensor-parallel ranks each"
+                if launch.ranks_per_worker > 1
+                else ""
+            )
             _say(
                 f"starting {launch.num_workers} worker(s) of {launch.name!r} on {dispatcher.address} "
-                f"({launch.pool.role} pool{gpus})"
+                f"({launch.pool.role} pool{ranks}{gpus})"
             )
             workers += [
                 spawn(dispatcher.address, i, launch, options.config, log_dir, [*curve_args, *threads])

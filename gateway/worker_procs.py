@@ -50,6 +50,11 @@ class PoolLaunch:
     # composition root (tierserve/worker_plan.py), which may ask torch; empty: none for any worker.
     worker_envs: Sequence[Mapping[str, str]] = ()
 
+    @property
+    def ranks_per_worker(self) -> int:
+        """Processes each of its workers runs: its tensor-parallel ranks."""
+        return self.pool.tensor_parallel_size
+
     def env_of(self, index: int) -> Mapping[str, str]:
         return self.worker_envs[index] if index < len(self.worker_envs) else {}
 
@@ -67,12 +72,14 @@ def pool_args(pool: ModelPool) -> list[str]:
     kept = ["--keep-full-precision", ",".join(pool.keep_full_precision)] if pool.keep_full_precision else []
     kv = ["--kv-cache-gb", str(pool.kv_cache_gb)] if pool.kv_cache_gb is not None else []
     graphs = [] if pool.cuda_graphs else ["--no-cuda-graphs"]
+    tp = ["--tensor-parallel-size", str(pool.tensor_parallel_size)] if pool.tensor_parallel_size > 1 else []
     return [
         "--dtype", pool.dtype,
         "--device", pool.device,
         *kv,
         "--gpu-memory-utilization", str(pool.gpu_memory_utilization),
         *graphs,
+        *tp,
         "--max-num-seqs", str(pool.max_num_seqs),
         "--max-num-batched-tokens", str(pool.max_num_batched_tokens),
         "--quant-activations", pool.quant_activations,
@@ -84,12 +91,13 @@ def pool_args(pool: ModelPool) -> list[str]:
 
 
 def threads_arg(pools: Sequence[PoolLaunch]) -> list[str]:
-    """``--num-threads``: this host's cores shared among the workers serve starts, so two workers on two
-    cores do not each run two threads and stall each other; none when OMP_NUM_THREADS decides."""
+    """``--num-threads``: this host's cores shared among the processes serve's workers run (a
+    tensor-parallel worker runs one per rank, each taking this many), so two workers on two cores do
+    not each run two threads and stall each other; none when OMP_NUM_THREADS decides."""
     if "OMP_NUM_THREADS" in os.environ:
         return []
-    num_workers = sum(launch.num_workers for launch in pools)
-    return ["--num-threads", str(max(1, (os.cpu_count() or 1) // max(num_workers, 1)))]
+    num_ranks = sum(launch.num_workers * launch.ranks_per_worker for launch in pools)
+    return ["--num-threads", str(max(1, (os.cpu_count() or 1) // max(num_ranks, 1)))]
 
 
 @dataclass(slots=True)

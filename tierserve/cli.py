@@ -18,6 +18,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from worker import cli as worker_cli
 
 if TYPE_CHECKING:
@@ -182,7 +184,8 @@ def _pools(
     its ``path`` under its ``name``, except that ``--model`` replaces the first primary's path and serves
     it under the folder's name. Pools of one model folder share a prompt builder. Pools sharing a served
     name (each taking some context classes) stay one model, their workers named after each pool.
-    A pool on GPUs runs one worker per GPU, each pinned to its own (tierserve/worker_plan.py);
+    A pool on GPUs runs one worker per GPU (per ``tensor_parallel_size`` GPUs), each pinned to its own
+    (tierserve/worker_plan.py); mock workers run one rank whatever the pool's size;
     ``count_gpus`` (default: torch's count, asked only when a pool may use a GPU) is a test's seam.
     """
     import os
@@ -214,7 +217,8 @@ def _pools(
             name = "mock" if is_first else pool.model_name
             num_workers = args.mock if i == first_primary else plan_workers(pool, "", None, {}).num_workers
             worker_args = ["--mock", *shlex.split(args.mock_args)]
-            launches.append(PoolLaunch(name, pool, builder, worker_args, num_workers, prefix))
+            one_rank = msgspec.structs.replace(pool, tensor_parallel_size=1)  # the mock has no shards
+            launches.append(PoolLaunch(name, one_rank, builder, worker_args, num_workers, prefix))
             continue
         override = is_first and args.model is not None
         folder = resolve_model(args.model if override else pool.path)
@@ -222,6 +226,12 @@ def _pools(
             builders[str(folder)] = HFPromptBuilder(folder)
         name = folder.name if override else pool.model_name
         plan = plan_workers(pool, f"models.pools[{i}]", num_gpus, os.environ)
+        if plan.idle_gpus:
+            print(
+                f"note: models.pools[{i}] leaves GPUs {', '.join(plan.idle_gpus)} idle: fewer than its "
+                f"tensor_parallel_size = {pool.tensor_parallel_size} (set devices or num_workers)",
+                file=sys.stderr,
+            )
         worker_args = ["--model", str(folder)]
         launches.append(
             PoolLaunch(

@@ -1,17 +1,21 @@
-"""How many workers a pool runs and which GPU each one gets: one worker per GPU by default.
+"""How many workers a pool runs and which GPUs each one gets: one worker per GPU by default, or one
+per ``tensor_parallel_size`` GPUs.
 
     pool device   GPUs serve sees   num_workers "auto"        worker i's environment
     cpu           any               1                         (nothing added)
     auto          0                 1                         (nothing added)
-    auto / cuda   N > 0             len(devices) or N         CUDA_VISIBLE_DEVICES=<its GPU>
+    auto / cuda   N > 0             len(devices) or N,        CUDA_VISIBLE_DEVICES=<its GPUs>
+                                    divided by the TP size
     cuda          0                 an error: no GPU to run on
 
-An explicit ``num_workers`` on GPUs pins worker i to ``devices[i % len(devices)]`` (all GPUs when
-``devices`` is empty): more workers than GPUs share them, which needs ``kv_cache_gb`` (the device-sized
-KV cache counts the whole GPU, worker/kv_budget.py). ``devices`` are indices among the GPUs serve sees;
-when serve itself runs under ``CUDA_VISIBLE_DEVICES``, worker i gets that list's entry, so the same
-physical GPU is meant. The GPU count is passed in: this module never asks torch (tierserve/cli.py
-does, through worker/devices.py).
+A worker of ``tensor_parallel_size = T`` gets T consecutive GPUs of ``devices`` (all GPUs when empty);
+GPUs left over by ``auto`` (5 GPUs, T = 2) are named in ``WorkerPlan.idle_gpus`` for serve to log. An
+explicit ``num_workers`` on GPUs takes the chosen GPUs round robin, T at a time: more workers than GPUs
+share them, which needs ``kv_cache_gb`` (the device-sized KV cache counts the whole GPU,
+worker/kv_budget.py). ``devices`` are indices among the GPUs serve sees; when serve itself runs under
+``CUDA_VISIBLE_DEVICES``, worker i gets that list's entries, so the same physical GPUs are meant. The
+GPU count is passed in: this module never asks torch (tierserve/cli.py does, through worker/devices.py).
+On a CPU box a TP worker's ranks are processes of that worker (worker/tp_ranks.py): nothing to place.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 class WorkerPlan:
     num_workers: int
     worker_envs: tuple[dict[str, str], ...] = ()  # one per worker, or none
+    idle_gpus: tuple[str, ...] = ()  # chosen GPUs no worker got (fewer than a TP group left over)
 
 
 def uses_gpus(pool: ModelPool) -> bool:
@@ -60,7 +65,15 @@ def plan_workers(pool: ModelPool, key: str, num_gpus: int | None, environ: Mappi
             why = f"GPU {index} is not visible (serve sees {num_gpus}: 0..{num_gpus - 1})"
             raise ValueError(f"{key}.devices: {why}")
     chosen = list(pool.devices) or list(range(num_gpus))
+    size = pool.tensor_parallel_size
+    if size > len(chosen):
+        have = f"devices = {list(pool.devices)}" if pool.devices else f"serve sees {num_gpus}"
+        raise ValueError(f"{key}.tensor_parallel_size: {size} GPUs per worker, but {have}")
     ids = gpu_ids(num_gpus, environ)
-    num_workers = len(chosen) if pool.num_workers == "auto" else pool.num_workers
-    envs = tuple({CUDA_VISIBLE_DEVICES: ids[chosen[i % len(chosen)]]} for i in range(num_workers))
-    return WorkerPlan(num_workers, envs)
+    num_workers = len(chosen) // size if pool.num_workers == "auto" else pool.num_workers
+    envs = tuple(
+        {CUDA_VISIBLE_DEVICES: ",".join(ids[chosen[(i * size + r) % len(chosen)]] for r in range(size))}
+        for i in range(num_workers)
+    )
+    used = min(len(chosen), num_workers * size)
+    return WorkerPlan(num_workers, envs, tuple(ids[index] for index in chosen[used:]))

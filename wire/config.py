@@ -153,6 +153,9 @@ class ModelPool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     num_workers: PosInt | Literal["auto"] = "auto"
     # indices of the GPUs serve sees (as torch numbers them) its workers are pinned to; empty: all
     devices: tuple[Annotated[int, Meta(ge=0)], ...] = ()
+    # Each worker splits the model over this many ranks (GPUs on CUDA, processes on a CPU box) with
+    # torch.distributed; float weights only. On GPUs a worker takes this many consecutive ``devices``.
+    tensor_parallel_size: PosInt = 1
     # None: 1 GiB on CPU; on CUDA what gpu_memory_utilization leaves after the weights and a warm-up
     kv_cache_gb: PosFloat | None = None
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.9

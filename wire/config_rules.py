@@ -213,6 +213,26 @@ def _validate_devices(pool: ModelPool, key: str, fail: Fail) -> None:
         seen.add(index)
 
 
+def _validate_tensor_parallel(pool: ModelPool, key: str, fail: Fail) -> None:
+    """Tensor parallelism splits float weights (worker/models/tensor_parallel.py): a quantized pool is
+    refused here rather than by every worker it would start."""
+    from wire.config import DEFAULT_MODEL_PATH  # wire.config imports this module
+
+    if pool.tensor_parallel_size == 1:
+        return
+    size = pool.tensor_parallel_size
+    if pool.quantization != "none":
+        raise fail(f"{key}.quantization", f'tensor_parallel_size = {size} takes float weights: "none"')
+    if pool.path == DEFAULT_MODEL_PATH or pool.path.endswith(".gguf"):
+        why = f"tensor_parallel_size = {size} takes float weights; {pool.path!r} is a GGUF file"
+        if pool.path == DEFAULT_MODEL_PATH:
+            why += ' (the embedded model\'s float weights are path = "default")'
+        raise fail(f"{key}.path", why)
+    if pool.devices and len(pool.devices) % size:
+        why = f"{len(pool.devices)} GPUs do not split into workers of tensor_parallel_size = {size}"
+        raise fail(f"{key}.devices", why)
+
+
 def _validate_pools(config: ServerConfig, fail: Fail) -> None:
     names: dict[str, int] = {}
     served: dict[str, int] = {}  # model name → the first pool serving it
@@ -229,6 +249,7 @@ def _validate_pools(config: ServerConfig, fail: Fail) -> None:
         except ValueError as exc:
             raise fail(f"models.pools[{i}].keep_full_precision", str(exc)) from None
         _validate_devices(pool, f"models.pools[{i}]", fail)
+        _validate_tensor_parallel(pool, f"models.pools[{i}]", fail)
         for band in pool.context_classes:
             if band not in class_names:
                 known = sorted(class_names)

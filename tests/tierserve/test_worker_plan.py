@@ -4,13 +4,14 @@ injected (no GPU needed)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
 
 import gateway.tokenizer
 import worker.models.store
-from gateway.worker_procs import PoolLaunch, worker_command
+from gateway.worker_procs import PoolLaunch, threads_arg, worker_command
 from tierserve.cli import _pools
 from tierserve.worker_plan import gpu_ids, plan_workers
 from wire.config import ModelPool, ModelsConfig, ServerConfig
@@ -134,3 +135,51 @@ def test_mock_and_no_workers_count_no_gpus() -> None:
     ]
     elsewhere = _pools(_args(no_workers=True), config, count_gpus=never)
     assert [launch.num_workers for launch in elsewhere] == [1, 2]  # what the progress lines wait for
+
+
+def test_a_tensor_parallel_worker_gets_its_gpus_together(tmp_path: Path) -> None:
+    config = _config(ModelPool(name="m", path="default", tensor_parallel_size=2))
+    launches = _pools(_args(), config, count_gpus=lambda: 4)
+    assert _launched(launches, config, tmp_path) == [("m-0", "0,1", "auto"), ("m-1", "2,3", "auto")]
+    command = worker_command(ADDRESS, 1, launches[0], config, tmp_path)
+    assert command.argv[command.argv.index("--tensor-parallel-size") + 1] == "2"
+    chosen = ModelPool(name="m", path="default", tensor_parallel_size=2, devices=(3, 1))
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in plan_workers(chosen, "p", 4, {}).worker_envs] == ["3,1"]
+
+
+def test_gpus_left_over_by_tensor_parallel_groups_are_named_idle(capsys: pytest.CaptureFixture[str]) -> None:
+    pool = ModelPool(name="m", path="default", tensor_parallel_size=2)
+    plan = plan_workers(pool, "p", 5, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,7"})
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in plan.worker_envs] == ["0,1", "2,3"]
+    assert plan.idle_gpus == ("7",)
+    _pools(_args(), _config(pool), count_gpus=lambda: 3)
+    assert "models.pools[0] leaves GPUs 2 idle" in capsys.readouterr().err
+    shared = plan_workers(
+        ModelPool(name="m", path="default", tensor_parallel_size=2, num_workers=3), "p", 3, {}
+    )
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in shared.worker_envs] == ["0,1", "2,0", "1,2"]
+    assert shared.idle_gpus == ()
+
+
+def test_a_tensor_parallel_size_beyond_the_gpus_is_an_error_naming_the_key() -> None:
+    pool = ModelPool(name="m", path="default", tensor_parallel_size=4)
+    with pytest.raises(ValueError) as info:
+        plan_workers(pool, "models.pools[0]", 2, {})
+    assert str(info.value) == "models.pools[0].tensor_parallel_size: 4 GPUs per worker, but serve sees 2"
+
+
+def test_on_a_cpu_box_the_cores_are_shared_among_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    config = _config(
+        ModelPool(name="m", path="default", device="cpu", tensor_parallel_size=2, num_workers=2),
+        ModelPool(name="f", role="fallback", device="cpu"),
+    )
+    launches = _pools(_args(), config, count_gpus=lambda: 0)
+    assert [(launch.num_workers, launch.ranks_per_worker) for launch in launches] == [(2, 2), (1, 1)]
+    assert threads_arg(launches) == ["--num-threads", "3"]  # 16 cores, 5 processes
+    mock = _pools(_args(mock=2), config)
+    assert [launch.ranks_per_worker for launch in mock] == [1, 1]
+    assert "--tensor-parallel-size" not in worker_command(ADDRESS, 0, mock[0], config, tmp_path).argv

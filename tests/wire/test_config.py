@@ -219,6 +219,31 @@ BAD_FILES = [
     ),
     ("[[models.pools]]\nname = 'm'\ndevices = [-1]\n", "models.pools[0].devices[0]", ">= 0, got -1"),
     (
+        "[[models.pools]]\nname = 'm'\ntensor_parallel_size = 2\n",
+        "models.pools[0].path",
+        "takes float weights; 'default-q4_1' is a GGUF file (the embedded model's float weights are",
+    ),
+    (
+        "[[models.pools]]\nname = 'm'\npath = '/m/x.gguf'\ntensor_parallel_size = 2\n",
+        "models.pools[0].path",
+        "tensor_parallel_size = 2 takes float weights; '/m/x.gguf' is a GGUF file",
+    ),
+    (
+        "[[models.pools]]\nname = 'm'\npath = 'default'\nquantization = 'int8'\ntensor_parallel_size = 2\n",
+        "models.pools[0].quantization",
+        'tensor_parallel_size = 2 takes float weights: "none"',
+    ),
+    (
+        "[[models.pools]]\nname = 'm'\npath = 'default'\ndevices = [0, 1, 2]\ntensor_parallel_size = 2\n",
+        "models.pools[0].devices",
+        "3 GPUs do not split into workers of tensor_parallel_size = 2",
+    ),
+    (
+        "[[models.pools]]\nname = 'm'\ntensor_parallel_size = 0\n",
+        "models.pools[0].tensor_parallel_size",
+        ">= 1, got 0",
+    ),
+    (
         "[[models.pools]]\nname = 'm'\ngpu_memory_utilization = 1.5\n",
         "models.pools[0].gpu_memory_utilization",
         "<= 1.0, got 1.5",
