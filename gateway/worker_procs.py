@@ -84,6 +84,7 @@ def pool_args(pool: ModelPool) -> list[str]:
         "--max-num-batched-tokens", str(pool.max_num_batched_tokens),
         "--quant-activations", pool.quant_activations,
         "--quantization", pool.quantization,
+        "--kv-cache-dtype", pool.kv_cache_dtype,
         *classes,
         *limit,
         *kept,

@@ -100,8 +100,9 @@ def store_kv(
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-    flat[0].index_copy_(1, slot_mapping, key.transpose(0, 1))
-    flat[1].index_copy_(1, slot_mapping, value.transpose(0, 1))
+    # a cache of another dtype (kv_cache_dtype: float32 activations over bf16 K/V) rounds here
+    flat[0].index_copy_(1, slot_mapping, key.transpose(0, 1).to(kv_cache.dtype))
+    flat[1].index_copy_(1, slot_mapping, value.transpose(0, 1).to(kv_cache.dtype))
 
 
 def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -252,8 +253,8 @@ def paged_decode_attention(
         for kv in range(2):
             for head in range(num_kv_heads):
                 torch.index_select(rows[kv, head], 0, bucket.block_ids, out=gathered[kv, head])
-        key = gathered[0].view(num_kv_heads, batch, bucket.num_keys, head_dim)
-        value = gathered[1].view(num_kv_heads, batch, bucket.num_keys, head_dim)
+        key = gathered[0].view(num_kv_heads, batch, bucket.num_keys, head_dim).to(query.dtype)
+        value = gathered[1].view(num_kv_heads, batch, bucket.num_keys, head_dim).to(query.dtype)
         q = query[bucket.start : bucket.end].view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
         if bucket.additive_mask is None:
             mask = torch.zeros(bucket.key_mask.shape, dtype=torch.float32, device=query.device)
@@ -274,7 +275,7 @@ def _decode_one(
     num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
     first, last = bucket.key_range  # [0, seq_len), or the sliding window's suffix of it
-    context = kv_cache[:, :, bucket.block_ids].view(2, num_kv_heads, -1, head_dim)
+    context = kv_cache[:, :, bucket.block_ids].view(2, num_kv_heads, -1, head_dim).to(query.dtype)
     key, value = context[0, :, first:last], context[1, :, first:last]
     q = query.view(num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Hkv, G, D]: G rows per kv head
     # 4-D inputs reach the fused CPU kernel; 3-D ones fall back to the (2x slower) math path
@@ -317,9 +318,11 @@ def paged_prefill_attention(
         rows = slice(plan.query_start, plan.query_end)
         if plan.block_ids is None:
             k, v = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
+            if kv_cache.dtype != query.dtype:  # as the cache holds them: rounded to its dtype
+                k, v = k.to(kv_cache.dtype).to(query.dtype), v.to(kv_cache.dtype).to(query.dtype)
         else:
             # the context (cached prefix + this chunk) is read back from the cache
-            context = kv_cache[:, :, plan.block_ids].view(2, num_kv_heads, -1, head_dim)
+            context = kv_cache[:, :, plan.block_ids].view(2, num_kv_heads, -1, head_dim).to(query.dtype)
             k, v = context[0, :, : plan.seq_len], context[1, :, : plan.seq_len]
         outs.append(_attend(query[rows], k, v, plan.mask, scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -5,10 +5,12 @@
 The reference is the embedded model's float32 folder (``models pull``: the GGUF's Q4_1 weights
 dequantized exactly), so ``q4_1_native`` (the GGUF served from its own blocks) differs from it only
 by the kernel's arithmetic: x quantized per block of 32 to int16 (the default) or int8
-(``q4_1_native_int8``, llama.cpp's). ``int8``, ``int4`` (a pool's ``quantization``: Q8_0 and Q4_1
-blocks) and ``q4_0`` quantize the float model on the fly; its weights being the dequantized Q4_1
-ones, ``int4`` finds much of their grid again (a float checkpoint would lose more), ``q4_0`` does
-not. For each, over the text shipped with the bench (``loadtest/data/quant_text.txt``), teacher-forced:
+(``q4_1_native_int8``, llama.cpp's); ``q4_1_native_kv_bf16`` is ``q4_1_native`` over a bfloat16 KV
+cache (``kv_cache_dtype``'s ``auto`` for a quantized model on CPU: K/V rounded to bf16 where they are
+stored). ``int8``, ``int4`` (a pool's ``quantization``: Q8_0 and Q4_1 blocks) and ``q4_0`` quantize
+the float model on the fly; its weights being the dequantized Q4_1 ones, ``int4`` finds much of their
+grid again (a float checkpoint would lose more), ``q4_0`` does not. For each, over the text shipped
+with the bench (``loadtest/data/quant_text.txt``), teacher-forced:
 
   top1_agreement   positions whose most likely next token is the reference's
   ppl_ratio        perplexity of the text ÷ the reference's
@@ -65,7 +67,8 @@ def compare(logits: torch.Tensor, reference: torch.Tensor, ids: list[int]) -> di
     return {"top1_agreement": round(agreement, 4), "ppl_ratio": round(ppl / ppl_ref, 4), "ppl": round(ppl, 3)}
 
 
-Variant = tuple[LlamaForCausalLM, dict[str, torch.Tensor]]  # the model, each linear's exact weight
+# the model, each linear's exact weight, its KV cache's dtype (None: the model's)
+Variant = tuple[LlamaForCausalLM, dict[str, torch.Tensor], torch.dtype | None]
 
 
 def variants(folder: Path, gguf_folder: Path) -> dict[str, Callable[[], Variant]]:
@@ -73,12 +76,12 @@ def variants(folder: Path, gguf_folder: Path) -> dict[str, Callable[[], Variant]
     weights its layers are measured against: the dequantized blocks (native: only the arithmetic
     differs) or the float model's own (on the fly: the weights' quantization too)."""
 
-    def native(bits: int) -> Variant:
+    def native(bits: int, kv_dtype: torch.dtype | None = None) -> Variant:
         model, _ = load_model(gguf_folder, torch.float32)
         set_activation_bits(model, bits)
         exact = {n: m.dequantized() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
         use_quant_kernels(model, probe(), kernel_cache_dir())
-        return model, exact
+        return model, exact, kv_dtype
 
     def on_the_fly(kind: str) -> Variant:
         model, _ = load_model(folder, torch.float32)
@@ -87,11 +90,12 @@ def variants(folder: Path, gguf_folder: Path) -> dict[str, Callable[[], Variant]
             exact["lm_head"] = model.embed_tokens.weight.detach().clone()
         quantize_linears(model, kind)
         use_quant_kernels(model, probe(), kernel_cache_dir())
-        return model, exact
+        return model, exact, None
 
     return {
         "q4_1_native": lambda: native(16),
         "q4_1_native_int8": lambda: native(8),
+        "q4_1_native_kv_bf16": lambda: native(16, torch.bfloat16),  # kv_cache_dtype = "bfloat16"
         "int8": lambda: on_the_fly(QUANTIZATION_KINDS["int8"]),
         "int4": lambda: on_the_fly(QUANTIZATION_KINDS["int4"]),
         "q4_0": lambda: on_the_fly("q4_0"),
@@ -111,9 +115,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     figures: dict[str, object] = {"scenario": "quant", "model": DEFAULT_MODEL, "tokens": len(ids)}
     layers: dict[str, dict[str, float]] = {}
     for name, build in variants(folder, gguf_folder).items():
-        model, exact = build()
+        model, exact, kv_dtype = build()
         with layer_errors(model, exact) as errors:
-            logits = prefill_logits(model, ids)
+            logits = prefill_logits(model, ids, kv_dtype)
         figures[name] = compare(logits, reference, ids)
         worst = sorted(errors.items(), key=lambda kv: -kv[1])[:WORST_LAYERS]
         layers[name] = {"mean": round(sum(errors.values()) / len(errors), 6)}

@@ -176,6 +176,9 @@ class ModelPool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     # A float checkpoint's linears quantized at load: int8 (8-bit blocks of 32, GGUF Q8_0) or int4
     # (4-bit asymmetric groups of 32, Q4_1); none keeps them float. A GGUF path is quantized already.
     quantization: Literal["none", "int8", "int4"] = "none"
+    # auto: the model's dtype. bfloat16 under a float32 or quantized model on CPU: K/V rounded to bf16
+    # where they are stored, half the bytes a decode step's attention reads, twice the tokens per GiB.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Modules of a quantized model kept in float (mixed precision; wire/full_precision.py names them):
     # e.g. ["attention", "lm_head"]. A quantized checkpoint's are dequantized at load.
     keep_full_precision: tuple[Name, ...] = ()

@@ -9,6 +9,7 @@ sides; ``python -m worker.cli worker`` is how the gateway starts its worker proc
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -77,6 +78,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         cpu_kernels=not args.no_cpu_kernels,
         quant_activations=args.quant_activations,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         keep_full_precision=tuple(e.strip() for e in args.keep_full_precision.split(",") if e.strip()),
     )
 
@@ -163,11 +165,21 @@ def _worker(args: argparse.Namespace) -> int:
                 save_floor(step_floors_dir(), daemon.model_name, step_floor, device.name)
             except OSError as exc:  # only `tierserve config show` reads it: never a reason not to serve
                 logging.getLogger(__name__).warning("could not save the step floor: %s", exc)
+        freeze_startup_objects()
         return daemon.run()
     finally:
         if ranks is not None:
             ranks.close(engine.runner)  # the other ranks stop after the last step
         telemetry.shutdown()  # flush the last spans before the process goes
+
+
+def freeze_startup_objects() -> None:
+    """Everything start-up built (modules, weights' Python wrappers, tokenizer, policies) moves to the
+    collector's permanent generation, so the full collections serving triggers stop walking it: in a
+    32-stream decode profile of the Q4_1 default (2-core Zen 5) ``gc_collect_main`` was 4% of the
+    samples, and none after the freeze. vLLM and SGLang freeze after start-up for the same reason."""
+    gc.collect()
+    gc.freeze()
 
 
 # The choices a start makes (CPU level, dtype, packing) reach stderr at INFO even without -v.

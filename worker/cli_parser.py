@@ -79,6 +79,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="int16",
         help="a GGUF model's linears quantize their input to int16 (close to float) or int8 (llama.cpp's)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "bfloat16"),  # worker.config.KV_CACHE_DTYPES
+        default="auto",
+        help="the KV cache's dtype: auto (the model's), or bfloat16 under a float32 or quantized model on "
+        "CPU (half the bytes attention reads, twice the tokens a budget holds)",
+    )
 
 
 def _device(text: str) -> str:

@@ -284,15 +284,16 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
     if has_float and not bound and not quantized:
         pack_linears_if_supported(model, caps)
     mc = model_config
+    kv_dtype = config.kv_torch_dtype(config.torch_dtype, device.type == "cuda", quantized)
     bytes_per_block = kv_cache_bytes_per_block(
-        mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype
+        mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype
     )
     num_blocks = kv_cache_blocks(config, model, mc, device, backend, bytes_per_block)
     kv_caches = allocate_kv_cache(
-        mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype, device
+        mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype, device
     )
     log.info(
-        "engine: %s (%s) on %s in %s, kernels %s, attention %s, %d KV blocks of %d tokens (%.2f GiB), "
+        "engine: %s (%s) on %s in %s, kernels %s, attention %s, %d KV blocks of %d tokens (%.2f GiB, %s), "
         "prefix caching %s",
         model_path.name,
         mc.architecture,
@@ -303,6 +304,7 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
         num_blocks,
         config.block_size,
         num_blocks * bytes_per_block / 1024**3,
+        str(kv_dtype).removeprefix("torch."),
         "on" if config.enable_prefix_caching else "off",
     )
     decode_step: DecodeStep | None = None

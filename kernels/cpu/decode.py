@@ -1,7 +1,8 @@
 """One whole decoder layer of a decode-only step in C: the launcher. ``decode_f32.c`` (float32, an
 AVX-512 and an AVX2 build), ``decode_bf16.c`` (bfloat16 weights and cache, AVX512-BF16) and
 ``decode_q.c`` (block-quantized linears, float32 otherwise: AVX512-VNNI and AVX2), all over the body
-in ``decode_layer.h``.
+in ``decode_layer.h``; ``decode_f32_kv16.c`` and ``decode_q_kv16.c`` are the float32 and quantized
+builds over a bfloat16 KV cache (``kv16.h``).
 
 The torch reference is the model's own layer (``worker.models.llama.DecoderLayer`` over
 ``TorchPagedAttention``): the tests run both on the same weights and cache. ``LayerArgs`` holds what
@@ -19,14 +20,21 @@ import torch
 from kernels.cpu.build import load_library
 
 HERE = Path(__file__).parent
-# (dtype, isa) -> (source, prefix of its functions)
+# (weights' dtype, KV cache's dtype, isa) -> (source, prefix of its functions)
 KERNELS = {
-    (torch.float32, "avx512"): (HERE / "decode_f32.c", "decode_f32"),
-    (torch.float32, "avx2"): (HERE / "decode_f32.c", "decode_f32"),
-    (torch.bfloat16, "avx512_bf16"): (HERE / "decode_bf16.c", "decode_bf16"),
+    (torch.float32, torch.float32, "avx512"): (HERE / "decode_f32.c", "decode_f32"),
+    (torch.float32, torch.float32, "avx2"): (HERE / "decode_f32.c", "decode_f32"),
+    (torch.float32, torch.bfloat16, "avx512"): (HERE / "decode_f32_kv16.c", "decode_f32_kv16"),
+    (torch.float32, torch.bfloat16, "avx2"): (HERE / "decode_f32_kv16.c", "decode_f32_kv16"),
+    (torch.bfloat16, torch.bfloat16, "avx512_bf16"): (HERE / "decode_bf16.c", "decode_bf16"),
 }
-# isa -> source, for block-quantized linears (float32 norms, activations and cache)
-QUANT_KERNELS = {"avx512_vnni": HERE / "decode_q.c", "avx2": HERE / "decode_q.c"}
+# (KV cache's dtype, isa) -> (source, prefix), for block-quantized linears (float32 norms, activations)
+QUANT_KERNELS = {
+    (torch.float32, "avx512_vnni"): (HERE / "decode_q.c", "decode_q"),
+    (torch.float32, "avx2"): (HERE / "decode_q.c", "decode_q"),
+    (torch.bfloat16, "avx512_vnni"): (HERE / "decode_q_kv16.c", "decode_q_kv16"),
+    (torch.bfloat16, "avx2"): (HERE / "decode_q_kv16.c", "decode_q_kv16"),
+}
 
 
 class LayerArgs(ctypes.Structure):
@@ -88,10 +96,12 @@ class StepArgs(ctypes.Structure):
 
 
 class DecodeLayerKernel:
-    """One (dtype, ISA) build, loaded."""
+    """One (dtype, KV dtype, ISA) build, loaded."""
 
-    def __init__(self, library: ctypes.CDLL, isa: str, dtype: torch.dtype, prefix: str) -> None:
-        self.isa, self.dtype = isa, dtype
+    def __init__(
+        self, library: ctypes.CDLL, isa: str, dtype: torch.dtype, prefix: str, kv_dtype: torch.dtype
+    ) -> None:
+        self.isa, self.dtype, self.kv_dtype = isa, dtype, kv_dtype
         self.quantized = False  # True: the linears' weights are QWeightArgs
         self.layer = getattr(library, f"{prefix}_layer")
         self.layer.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(StepArgs)]
@@ -106,19 +116,30 @@ class DecodeLayerKernel:
         return int(self._work_floats(ctypes.byref(layer), num_rows))
 
 
-def load_decode_kernel(isa: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -> DecodeLayerKernel:
-    """Build (once per cache folder, dtype and ISA) and load; ``KernelBuildError`` without a C compiler."""
-    if (dtype, isa) not in KERNELS:
-        raise ValueError(f"isa: no {dtype} decode kernel for {isa!r}; there are {sorted(map(str, KERNELS))}")
-    source, prefix = KERNELS[dtype, isa]
-    return DecodeLayerKernel(load_library(source, cache_dir, isa), isa, dtype, prefix)
+def load_decode_kernel(
+    isa: str, cache_dir: Path, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None
+) -> DecodeLayerKernel:
+    """Build (once per cache folder, dtypes and ISA) and load; ``KernelBuildError`` without a C compiler.
+    ``kv_dtype`` None: the weights' dtype."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    if (dtype, kv_dtype, isa) not in KERNELS:
+        there = sorted(f"{w} weights, {kv} cache, {i}" for w, kv, i in KERNELS)
+        raise ValueError(
+            f"no decode kernel for {dtype} weights, a {kv_dtype} cache, {isa!r}; there are {there}"
+        )
+    source, prefix = KERNELS[dtype, kv_dtype, isa]
+    return DecodeLayerKernel(load_library(source, cache_dir, isa), isa, dtype, prefix, kv_dtype)
 
 
-def load_quant_decode_kernel(isa: str, cache_dir: Path) -> DecodeLayerKernel:
-    """The build for block-quantized linears (``decode_q.c``); ``KernelBuildError`` without a compiler."""
-    if isa not in QUANT_KERNELS:
-        raise ValueError(f"isa: no quantized decode kernel for {isa!r}; there are {sorted(QUANT_KERNELS)}")
-    library = load_library(QUANT_KERNELS[isa], cache_dir, isa)
-    kernel = DecodeLayerKernel(library, isa, torch.float32, "decode_q")
+def load_quant_decode_kernel(
+    isa: str, cache_dir: Path, kv_dtype: torch.dtype = torch.float32
+) -> DecodeLayerKernel:
+    """The build for block-quantized linears (``decode_q.c``, or ``decode_q_kv16.c`` over a bfloat16
+    cache); ``KernelBuildError`` without a compiler."""
+    if (kv_dtype, isa) not in QUANT_KERNELS:
+        there = sorted(f"{kv} cache, {i}" for kv, i in QUANT_KERNELS)
+        raise ValueError(f"no quantized decode kernel for a {kv_dtype} cache, {isa!r}; there are {there}")
+    source, prefix = QUANT_KERNELS[kv_dtype, isa]
+    kernel = DecodeLayerKernel(load_library(source, cache_dir, isa), isa, torch.float32, prefix, kv_dtype)
     kernel.quantized = True
     return kernel

@@ -24,7 +24,11 @@
 #define LOADW(v) (v)
 #define STOREW(f) (f)
 #define VLOADW(p) VLOADF(p)
+#ifdef DECODE_F32_PREFIX /* decode_f32_kv16.c */
+#define DECODE(name) DECODE_F32_PREFIX(name)
+#else
 #define DECODE(name) decode_f32_##name
+#endif
 
 #if defined(__AVX512F__)
 #define LINEAR(x, w, b, y, M, N, K, nt) linear_f32_avx512(x, w, b, y, M, N, K, nt)

@@ -7,7 +7,9 @@
  *   WLIN              (optional) the type the linears' weight pointers point to; W unless defined
  *   LINEAR(x, w, b, y, M, N, K, nt)   y[M, N] (float) = x[M, K] (float) @ w[N, K]^T + b; it may use
  *                     `scratch` (M * K values of W) for its input
- * Activations and the residual stream are float32 whatever W is.
+ * Activations and the residual stream are float32 whatever W is. The KV cache is W too unless the file
+ * defines WKV (its element type) with LOADKV(v), STOREKV(f) and VLOADKV(p) as for W (decode_q_kv16.c:
+ * float32 weights and norms, K/V in bf16: half the bytes attention reads).
  */
 #include <math.h>
 #include <stdint.h>
@@ -16,6 +18,12 @@
 #ifndef WLIN
 #define WLIN W /* the linears' weights; a quantized build has them as block structs (decode_q.c) */
 #endif
+#ifndef WKV
+#define WKV W
+#define LOADKV(v) LOADW(v)
+#define STOREKV(f) STOREW(f)
+#define VLOADKV(p) VLOADW(p)
+#endif
 
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, inter;
@@ -23,7 +31,7 @@ typedef struct {
     const W *ln1, *ln2;
     const WLIN *w_qkv, *w_o, *w_gate_up, *w_down;
     const W *b_qkv, *b_o, *b_gate_up, *b_down;
-    W *kv;
+    WKV *kv;
     int64_t num_blocks, block_size;
 } Layer;
 
@@ -126,16 +134,16 @@ static inline void rotate_neox(float *x, const W *cos_sin, int64_t d) {
     }
 }
 
-static inline float dot(const float *a, const W *b, int64_t n) {
+static inline float dot(const float *a, const WKV *b, int64_t n) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * LOADW(b[i]);
+    for (int64_t i = 0; i < n; i++) s += a[i] * LOADKV(b[i]);
     return s;
 }
 
-static inline void store_row(W *dst, const float *src, int64_t n) {
+static inline void store_row(WKV *dst, const float *src, int64_t n) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) dst[i] = STOREW(src[i]);
+    for (int64_t i = 0; i < n; i++) dst[i] = STOREKV(src[i]);
 }
 
 /* One query head of one row over its keys [t0, len): chunks of KEY_CHUNK scores, running max and sum. */
@@ -144,7 +152,7 @@ static inline void attend_one(const float *q, const Layer *L, const Step *S, int
     const int64_t len = S->seq_lens[m];
     const int64_t t0 = S->sliding_window > 0 && len > S->sliding_window ? len - S->sliding_window : 0;
     const int64_t plane = L->num_blocks * bs * d; /* one (K or V, kv head) plane */
-    const W *kbase = L->kv + g * plane, *vbase = L->kv + (L->num_kv_heads + g) * plane;
+    const WKV *kbase = L->kv + g * plane, *vbase = L->kv + (L->num_kv_heads + g) * plane;
     const int64_t *table = S->block_tables + m * S->table_width;
     float acc[MAX_HEAD_DIM], scores[KEY_CHUNK];
     float mx = -INFINITY, sum = 0.0f;
@@ -154,7 +162,7 @@ static inline void attend_one(const float *q, const Layer *L, const Step *S, int
         float cmax = mx;
         for (int64_t j = 0; j < n; j++) {
             int64_t t = c0 + j;
-            const W *key = kbase + (table[t / bs] * bs + t % bs) * d;
+            const WKV *key = kbase + (table[t / bs] * bs + t % bs) * d;
             scores[j] = dot(q, key, d) * L->scale;
             cmax = scores[j] > cmax ? scores[j] : cmax;
         }
@@ -167,11 +175,11 @@ static inline void attend_one(const float *q, const Layer *L, const Step *S, int
         }
         for (int64_t j = 0; j < n; j++) {
             int64_t t = c0 + j;
-            const W *value = vbase + (table[t / bs] * bs + t % bs) * d;
+            const WKV *value = vbase + (table[t / bs] * bs + t % bs) * d;
             float p = exp_f32(scores[j] - mx);
             sum += p;
 #pragma omp simd
-            for (int64_t i = 0; i < d; i++) acc[i] += p * LOADW(value[i]);
+            for (int64_t i = 0; i < d; i++) acc[i] += p * LOADKV(value[i]);
         }
     }
     float inv = 1.0f / sum;
@@ -188,7 +196,7 @@ static inline void attend_group(const float *q0, const Layer *L, const Step *S, 
     const int64_t len = S->seq_lens[m];
     const int64_t t0 = S->sliding_window > 0 && len > S->sliding_window ? len - S->sliding_window : 0;
     const int64_t plane = L->num_blocks * bs * d;
-    const W *kbase = L->kv + g * plane, *vbase = L->kv + (L->num_kv_heads + g) * plane;
+    const WKV *kbase = L->kv + g * plane, *vbase = L->kv + (L->num_kv_heads + g) * plane;
     const int64_t *table = S->block_tables + m * S->table_width;
     vf acc[MAX_GROUP][MAX_HEAD_DIM / VL];
     float mx[MAX_GROUP], sum[MAX_GROUP], p[MAX_GROUP][VL];
@@ -208,9 +216,9 @@ static inline void attend_group(const float *q0, const Layer *L, const Step *S, 
             vf dots[VL];
             for (int64_t j = 0; j < VL; j++) dots[j] = VZERO();
             for (int64_t j = 0; j < n; j++) {
-                const W *key = kbase + rows[j];
+                const WKV *key = kbase + rows[j];
                 vf a = VZERO();
-                for (int64_t i = 0; i < nv; i++) a = VFMA(VLOADF(q + i * VL), VLOADW(key + i * VL), a);
+                for (int64_t i = 0; i < nv; i++) a = VFMA(VLOADF(q + i * VL), VLOADKV(key + i * VL), a);
                 dots[j] = a;
             }
             float scores[VL];
@@ -230,9 +238,9 @@ static inline void attend_group(const float *q0, const Layer *L, const Step *S, 
             for (int64_t j = 0; j < n; j++) sum[h] += p[h][j];
         }
         for (int64_t j = 0; j < n; j++) {
-            const W *value = vbase + rows[j];
+            const WKV *value = vbase + rows[j];
             for (int64_t i = 0; i < nv; i++) {
-                vf v = VLOADW(value + i * VL);
+                vf v = VLOADKV(value + i * VL);
                 for (int64_t h = 0; h < group; h++) acc[h][i] = VFMA(VSET1(p[h][j]), v, acc[h][i]);
             }
         }

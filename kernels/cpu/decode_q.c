@@ -19,7 +19,11 @@ typedef struct {
 #define LOADW(v) (v)
 #define STOREW(f) (f)
 #define VLOADW(p) VLOADF(p)
+#ifdef DECODE_Q_PREFIX /* decode_q_kv16.c */
+#define DECODE(name) DECODE_Q_PREFIX(name)
+#else
 #define DECODE(name) decode_q_##name
+#endif
 /* scratch: at least K + 16 floats a row (decode_layer.h's work_floats): x's blocks and their scales */
 #define LINEAR(x, w, b, y, M, N, K, nt) \
     QNAME(qlinear_f32)((w)->kind, (w)->bits, x, M, K, scratch, (w)->qs, (w)->d, (w)->c, b, y, N, nt)

@@ -1,4 +1,6 @@
 """The fused C decode layer equals the model's torch path: same hidden states, same K/V written.
+The ``_kv16`` builds (float32 or quantized layers over a bfloat16 cache) against the torch path over
+the same bfloat16 cache: both round K/V where they store them, so they agree as the float32 builds do.
 
 Tiny random-weight models of each family (GQA, biases, Qwen2's one KV head, Mistral's sliding window),
 decode rows over shuffled blocks whose contexts span several of the kernel's 32-key chunks, every build
@@ -42,14 +44,16 @@ except KernelBuildError:
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(not HAS_CC, reason="no C compiler on PATH")]
 
 
-@pytest.fixture(
-    scope="module", params=list(KERNELS), ids=lambda key: f"{key[0]}-{key[1]}".replace("torch.", "")
-)
+def _key_id(key: tuple[object, ...]) -> str:
+    return "-".join(str(part) for part in key).replace("torch.", "")
+
+
+@pytest.fixture(scope="module", params=list(KERNELS), ids=_key_id)
 def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DecodeLayerKernel:
-    dtype, isa = request.param
+    dtype, kv_dtype, isa = request.param
     if probe().level < NEEDS[isa] or (dtype == torch.bfloat16 and not probe().native_bf16):
         pytest.skip(f"this CPU (as probed) cannot run the {isa} build (it is {probe().level.label})")
-    return load_decode_kernel(isa, tmp_path_factory.mktemp("kernels"), dtype)
+    return load_decode_kernel(isa, tmp_path_factory.mktemp("kernels"), dtype, kv_dtype)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +85,7 @@ def test_fused_step_equals_the_torch_path(
     if dtype == torch.float32:
         # another summation order (and a few-ulp exp): far below what a wrong index would give
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        for ours, theirs in zip(fused_caches, caches, strict=True):
-            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        assert_caches_close(fused_caches, caches)
         return
     # bf16: torch rounds ~10 times a layer, the kernel twice: within a few % of the values' scale
     for ours, theirs in [(got, expected), *zip(fused_caches, caches, strict=True)]:
@@ -118,15 +121,24 @@ def test_fused_mixed_step_equals_the_torch_path(
         model, kernel, chunks, random.Random(len(chunks)), rows_a_call
     )
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    for ours, theirs in zip(fused_caches, caches, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert_caches_close(fused_caches, caches)
 
 
-@pytest.mark.parametrize("isa", list(QUANT_KERNELS))
+def assert_caches_close(fused: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
+    """The K/V each path wrote: float32 to its rounding; a bfloat16 cache rounds the same float32
+    values both paths computed (kv16.h rounds as torch does), so at most one bf16 step apart where a
+    value sat on a rounding boundary."""
+    for ours, theirs in zip(fused, reference, strict=True):
+        assert ours.dtype == theirs.dtype
+        tolerance = 1e-5 if ours.dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("kv_dtype", "isa"), list(QUANT_KERNELS), ids=[_key_id(k) for k in QUANT_KERNELS])
 @pytest.mark.parametrize(("kind", "bits"), [("q4_1", 16), ("q8_0", 16), ("q4_1", 8)])
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-qkv-bias-yarn", "mistral-sliding-window"])
 def test_fused_quantized_step_equals_the_torch_path(
-    isa: str, kind: str, bits: int, name: str, tmp_path: Path, kernel_dir: Path
+    kv_dtype: torch.dtype, isa: str, kind: str, bits: int, name: str, tmp_path: Path, kernel_dir: Path
 ) -> None:
     """decode_q.c: the same qlinear kernel inside the fused layer as in the model's QuantLinears."""
     caps = probe()
@@ -137,7 +149,7 @@ def test_fused_quantized_step_equals_the_torch_path(
     quantize_linears(model, kind)
     set_activation_bits(model, bits)
     assert use_quant_kernels(model, caps, kernel_dir) > 0
-    kernel = load_quant_decode_kernel(isa, kernel_dir)
+    kernel = load_quant_decode_kernel(isa, kernel_dir, kv_dtype)
     # decode rows, then prefill chunks beside a decode (a token a row), whole and in slices of 4 rows
     for chunks, rows_a_call in [
         ([(n - 1, 1) for n in (100, 3, 64, 33, 9)], None),
@@ -147,8 +159,11 @@ def test_fused_quantized_step_equals_the_torch_path(
         got, expected, _, _ = run_step(model, kernel, chunks, random.Random(5), rows_a_call)
         error = float((got - expected).norm() / expected.norm())
         # the linears are the same kernel: float32 rounding elsewhere (norms, attention), which int8's
-        # coarse rounding mostly absorbs (measured ~3e-7) and int16's passes on (~2e-5), as float32 does
-        assert error < 1e-4, (chunks, error)
+        # coarse rounding mostly absorbs (measured ~3e-7) and int16's passes on (~2e-5), as float32 does.
+        # Over a bf16 cache a K/V value on a rounding boundary may land one bf16 step apart on the two
+        # paths, and int8 blocks round that on into whole steps: 3e-3 measured (mistral, 5 rows).
+        bound = 1e-2 if bits == 8 and kv_dtype == torch.bfloat16 else 1e-4
+        assert error < bound, (chunks, error)
 
 
 def run_both(
@@ -170,7 +185,7 @@ def run_step(
     the scheduler lays them out, over shuffled blocks whose earlier K/V are random: by the fused kernel
     (a token a row, each prefill row's context ending at itself; in calls of ``rows_a_call`` rows when
     given) and by the model's torch path."""
-    cfg, dtype = model.config, kernel.dtype
+    cfg, dtype = model.config, kernel.kv_dtype  # the cache's
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     seq_lens = [done + new for done, new in chunks]

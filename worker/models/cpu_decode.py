@@ -1,5 +1,5 @@
 """Decode-only steps of a CPU model, one C call per layer (``kernels/cpu/decode_f32.c``, and
-``decode_bf16.c`` for bfloat16 models on AVX512-BF16 CPUs).
+``decode_bf16.c`` for bfloat16 models on AVX512-BF16 CPUs; the ``_kv16`` builds over a bfloat16 cache).
 
 A batch-1 step through torch ops is ~45 ops a layer; on SmolLM2 (30 layers, 2-core EPYC) that was
 ~7 ms of a 19 ms float32 step on top of reading the weights. The fused layer does the same arithmetic
@@ -227,15 +227,18 @@ def fused_decode_step(
         return None
     isa, why_not = fused_isa(model, caps)
     dtype = next(model.parameters()).dtype
+    kv_dtype = kv_caches[0].dtype if kv_caches else dtype
     kernel: DecodeLayerKernel | None = None
     if isa is not None:
         try:
             if is_quantized(model):
-                kernel = load_quant_decode_kernel(isa, cache_dir)
+                kernel = load_quant_decode_kernel(isa, cache_dir, kv_dtype)
             else:
-                kernel = load_decode_kernel(isa, cache_dir, dtype)
+                kernel = load_decode_kernel(isa, cache_dir, dtype, kv_dtype)
         except KernelBuildError as exc:
             why_not = str(exc)
+        except ValueError:  # no build for this pair of dtypes (e.g. a bf16 model over a float32 cache)
+            why_not = f"no fused build for {dtype} weights over a {kv_dtype} KV cache"
     head_dim = model.config.head_dim
     if kernel is not None and (head_dim > kernel.max_head_dim or head_dim % 2):
         why_not = f"head_dim {head_dim} (the kernel takes even ones up to {kernel.max_head_dim})"
@@ -246,6 +249,7 @@ def fused_decode_step(
     step = CpuDecodeStep(model, kv_caches, kernel)
     weights = "block-quantized" if kernel.quantized else str(dtype)
     log.info(
-        "decode steps of up to %d sequences: one fused %s %s C call per layer", step.max_rows, weights, isa
-    )
+        "decode steps of up to %d sequences: one fused %s %s C call per layer (KV cache %s)",
+        step.max_rows, weights, isa, kv_dtype,
+    )  # fmt: skip
     return step

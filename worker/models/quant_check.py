@@ -31,14 +31,17 @@ CALIBRATION_TEXT = (
 )
 
 
-def prefill_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
-    """Every position's next-token logits [T, V] (float32), one prefill over a fresh paged cache."""
+def prefill_logits(
+    model: LlamaForCausalLM, ids: list[int], kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Every position's next-token logits [T, V] (float32), one prefill over a fresh paged cache of
+    ``kv_dtype`` (None: the model's dtype)."""
     cfg = model.config
     weight = next(model.parameters())
     dtype, device = weight.dtype, weight.device
     num_blocks = -(-len(ids) // BLOCK_SIZE)
     caches = allocate_kv_cache(
-        cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, device
+        cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kv_dtype or dtype, device
     )
     triton = isinstance(cast(DecoderLayer, model.layers[0]).attention, TritonPagedAttention)
     meta = AttentionMetadata.build(
