@@ -19,10 +19,10 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 QUANT_ACTIVATIONS = ("int16", "int8")
 # "bfloat16" under a float32 model (or a block-quantized one, whose activations are float32): K/V
 # rounded to bf16 where they are stored, half the bytes a decode step's attention reads and twice the
-# tokens a KV budget holds (CPU only: the Triton path keeps one dtype). "auto": bfloat16 for a
-# block-quantized model on CPU (`tierserve bench quant`: the Q4_1 default's next-token choices agree
-# with float32 K/V's at 0.9964 of positions, perplexity ratio 0.9997; a 32-stream decode step 12%
-# faster on the 2-core Zen 5), else the model's dtype.
+# tokens a KV budget holds (the CPU's path only: the Triton kernels keep one dtype). "auto": bfloat16
+# for a block-quantized model on the CPU's path (`tierserve bench quant`: the Q4_1 default's next-token
+# choices agree with float32 K/V's at 0.9964 of positions, perplexity ratio 0.9997; a 32-stream decode
+# step 12% faster on the 2-core Zen 5), else the model's dtype.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = ("none", "int8", "int4")
 
@@ -101,16 +101,16 @@ class EngineConfig:
         ``max_model_len`` when that is set."""
         return min(max_position_embeddings, self.max_model_len or max_position_embeddings)
 
-    def kv_torch_dtype(self, model_dtype: torch.dtype, on_cuda: bool, quantized: bool) -> torch.dtype:
-        """The KV cache's dtype for a model computing in ``model_dtype`` (``quantized``: block-quantized
-        linears); ``ValueError`` for a pair the kernels do not take (another dtype than the model's on
-        CUDA, a bf16 model over a float32 cache)."""
+    def kv_torch_dtype(self, model_dtype: torch.dtype, triton: bool, quantized: bool) -> torch.dtype:
+        """The KV cache's dtype for a model computing in ``model_dtype`` on the Triton kernels or the
+        CPU's torch path (``quantized``: block-quantized linears); ``ValueError`` for a pair the kernels
+        do not take (Triton's keep one dtype; a bf16 model over a float32 cache)."""
         if self.kv_cache_dtype == "auto":
-            cpu_quantized = quantized and not on_cuda and model_dtype == torch.float32
+            cpu_quantized = quantized and not triton and model_dtype == torch.float32
             return torch.bfloat16 if cpu_quantized else model_dtype
         kv = DTYPES[self.kv_cache_dtype]
-        if kv != model_dtype and (on_cuda or model_dtype != torch.float32):
-            where = "on CUDA" if on_cuda else f"under a {model_dtype} model"
+        if kv != model_dtype and (triton or model_dtype != torch.float32):
+            where = "on the Triton kernels" if triton else f"under a {model_dtype} model"
             raise ValueError(
                 f"kv_cache_dtype: {self.kv_cache_dtype!r} {where}; another dtype than the model's is for "
                 "float32 models on CPU (a bfloat16 cache under float32 activations)"

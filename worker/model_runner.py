@@ -284,7 +284,7 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
     if has_float and not bound and not quantized:
         pack_linears_if_supported(model, caps)
     mc = model_config
-    kv_dtype = config.kv_torch_dtype(config.torch_dtype, device.type == "cuda", quantized)
+    kv_dtype = config.kv_torch_dtype(config.torch_dtype, backend is KernelBackend.TRITON, quantized)
     bytes_per_block = kv_cache_bytes_per_block(
         mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype
     )

@@ -18,26 +18,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "prefetch.h"
 #include "reduce16.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define NR 4 /* w rows per tile */
 #define MR 4 /* x rows per tile: 16 accumulators, 4 w vectors and an x vector of the 32 registers */
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    uint32_t nan = (u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu);
-    return nan ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 static inline float as_float(float f) { return f; }
 
