@@ -3,7 +3,8 @@
 The workers live for the whole module; each test runs its own Dispatcher (its own event loop, via
 ``asyncio.run``) on the same port, and the workers' DEALERs reconnect and re-Register by themselves.
 Every wait is bounded, and waits on an event (a delta, a heartbeat, a counter), never on a sleep.
-At the end, without workers: the handler table, and the in-flight table as a state machine.
+At the end, without workers: the handler table (the in-flight table's state machine:
+test_in_flight_table.py).
 """
 
 from __future__ import annotations
@@ -23,14 +24,9 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from gateway.dispatch import Dispatcher, NoWorkerAvailable, RequestStream, WorkerLost, WorkerRejected
-from gateway.in_flight import InFlightTable
-from gateway.request_stream import InFlight
-from gateway.workers import WorkerInfo, WorkerRegistry, WorkerState
+from gateway.workers import WorkerInfo, WorkerState
 from policies.routing import RouteRequest, RoutingPolicy, WorkerView
 from wire.byte_tokenizer import BYTE_OFFSET
 from wire.codec import encode, gateway_message_decoder
@@ -648,7 +644,7 @@ def test_a_hung_worker_that_still_heartbeats_is_ejected_and_readmitted_when_it_s
     run(fleet, scenario, hang_timeout_s=hang_timeout_s, routing=Preferring("fake-hung"))
 
 
-# ---------------------------------------------------------------- handlers and the in-flight table
+# ---------------------------------------------------------------- the handler table
 
 
 def test_every_worker_message_type_has_its_own_handler() -> None:
@@ -659,100 +655,6 @@ def test_every_worker_message_type_has_its_own_handler() -> None:
         assert len({handler.__name__ for handler in handlers.values()}) == len(handlers)
     finally:
         asyncio.run(dispatcher.close())
-
-
-def _in_flight(request_id: str) -> InFlight:
-    submit = Submit(
-        request_id=request_id, epoch=0, prompt_token_ids=[1], sampling=_greedy(4), tier=TIER, arrival_time=0.0
-    )
-    return InFlight(submit, MODEL, "", asyncio.Queue())
-
-
-_REGISTER = Register(
-    worker_id="a",
-    model=MODEL,
-    dtype="float32",
-    device="cpu",
-    num_kv_blocks=16,
-    block_size=16,
-    kv_capacity_tokens=256,
-    max_model_len=4096,
-    max_num_seqs=4,
-    pid=1,
-)
-
-
-class InFlightTableMachine(RuleBasedStateMachine):
-    """Add, remove (the record, or a stale one of the same id), detach a worker and re-add what it had:
-    the per-worker sets, the records and the registry's counts always agree with a plain model."""
-
-    workers = ("a", "b", "c")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = InFlightTable()
-        self.registry = WorkerRegistry(in_flight=self.table)
-        for worker_id in self.workers:
-            self.registry.on_register(msgspec.structs.replace(_REGISTER, worker_id=worker_id), 0.0)
-        self.placed: dict[str, str | None] = {}  # request id → its worker (None: detached)
-        self.records: dict[str, InFlight] = {}
-
-    @rule(request_id=st.sampled_from([f"r{i}" for i in range(8)]), worker_id=st.sampled_from(workers))
-    def add(self, request_id: str, worker_id: str) -> None:
-        if request_id in self.table and self.placed[request_id] is not None:
-            return  # in flight on a worker: the dispatcher never adds it twice
-        request = self.records.get(request_id) or _in_flight(request_id)
-        self.table.remove(request)  # a detached one is removed before it is placed again
-        self.table.add(request, worker_id)
-        self.records[request_id], self.placed[request_id] = request, worker_id
-        assert request.worker_id == worker_id
-
-    @precondition(lambda self: self.records)
-    @rule(data=st.data(), stale=st.booleans())
-    def remove(self, data: st.DataObject, stale: bool) -> None:
-        request_id = data.draw(st.sampled_from(sorted(self.records)))
-        request = _in_flight(request_id) if stale else self.records[request_id]
-        assert self.table.remove(request) is (not stale)
-        assert self.table.remove(request) is False  # once only
-        if not stale:
-            del self.records[request_id], self.placed[request_id]
-
-    @rule(worker_id=st.sampled_from(workers))
-    def detach(self, worker_id: str) -> None:
-        expected = {r for r, w in self.placed.items() if w == worker_id}
-        assert self.table.detach(worker_id) == expected
-        for request_id in expected:
-            self.placed[request_id] = None
-            assert self.table.get(request_id) is self.records[request_id]  # kept for the caller
-
-    @invariant()
-    def agrees_with_the_model(self) -> None:
-        assert len(self.table) == len(self.records) == len(list(self.table))
-        for request_id, request in self.records.items():
-            assert request_id in self.table and self.table.get(request_id) is request
-        for worker_id in self.workers:
-            on_worker = {r for r, w in self.placed.items() if w == worker_id}
-            assert self.table.request_ids_on(worker_id) == on_worker
-            info = self.registry.get(worker_id)
-            assert info is not None and info.in_flight_ids == on_worker  # the registry's live view
-            assert self.registry.view(info).num_in_flight == len(on_worker)
-
-
-InFlightTableMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
-TestInFlightTable = InFlightTableMachine.TestCase
-
-
-def test_a_restarted_worker_s_requests_are_detached_from_it_but_kept_for_failover() -> None:
-    table = InFlightTable()
-    registry = WorkerRegistry(in_flight=table)
-    registry.on_register(_REGISTER, 0.0)
-    request = _in_flight("r1")
-    table.add(request, "a")
-    assert registry.on_register(msgspec.structs.replace(_REGISTER, pid=2), 1.0) == {"r1"}  # new process
-    info = registry.get("a")
-    assert info is not None and info.in_flight_ids == set()
-    assert table.get("r1") is request and request.worker_id == "a"  # until the dispatcher moves it
-    assert table.remove(request) and len(table) == 0
 
 
 def test_the_submit_carries_the_clients_arrival_time(fleet: Fleet) -> None:
