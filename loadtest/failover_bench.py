@@ -192,6 +192,14 @@ def worker_processes(server: Server) -> dict[str, int]:
     return found
 
 
+def process_state(pid: int) -> str:
+    """A process's state letter from /proc (``Z``: a zombie, exited), or "gone" (Linux)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """The sum of the Prometheus samples of ``name`` whose labels include ``labels`` (0 if none)."""
     total = 0.0

@@ -98,14 +98,14 @@ def save_hf_model(shape: dict[str, Any], path: Path, dtype: torch.dtype, seed: i
 def build_engine(
     path: Path, device: torch.device, dtype: str, max_num_seqs: int, graphs: bool, **kw: Any
 ) -> Any:
+    """Our engine over ``path`` on the Triton kernels (``kernel_backend`` in ``kw`` chooses another)."""
     from worker.config import EngineConfig
     from worker.engine import Engine
     from worker.model_runner import build_model_runner
 
     config = EngineConfig(
         model=str(path), dtype=dtype, device=str(device), max_num_seqs=max_num_seqs, cuda_graphs=graphs,
-        kernel_backend="triton",
-        max_num_batched_tokens=max(2048, max_num_seqs * 160), **kw,
+        max_num_batched_tokens=max(2048, max_num_seqs * 160), **{"kernel_backend": "triton", **kw},
     )  # fmt: skip
     runner, model_config, num_blocks = build_model_runner(config, path)
     return Engine(config, IdTokenizer(), runner, model_config, num_blocks)

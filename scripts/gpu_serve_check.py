@@ -43,6 +43,7 @@ from loadtest.arrivals import ArrivalSpec  # noqa: E402
 from loadtest.client import RequestOptions, Target  # noqa: E402
 from loadtest.launch import running_server  # noqa: E402
 from loadtest.metrics import GroupSummary, summarize  # noqa: E402
+from loadtest.peers_bench import duration_of  # noqa: E402
 from loadtest.prompt_text import load_tokenizer  # noqa: E402
 from loadtest.runner import Bounds, run_load  # noqa: E402
 from loadtest.workloads import Api, Workload, WorkloadOptions  # noqa: E402
@@ -109,10 +110,8 @@ def measure(
         WorkloadOptions(output_len=(tokens, tokens)),
     )
     bounds = Bounds(requests, None, concurrency)
-    result = asyncio.run(run_load([target], workload, ArrivalSpec(None), seed, bounds, options))
-    records = result.records
-    duration = max(r.t_end for r in records) - min(r.t_sent for r in records) if records else 0.0
-    return summarize(records, {t.name: t for t in config.tiers}, duration).overall
+    records = asyncio.run(run_load([target], workload, ArrivalSpec(None), seed, bounds, options)).records
+    return summarize(records, {t.name: t for t in config.tiers}, duration_of(records)).overall
 
 
 def figures(group: GroupSummary) -> dict[str, Any]:
@@ -149,17 +148,11 @@ def serve_figures(folder: Path, workdir: Path, dry: bool, tokens: int, concurren
 
 
 def engine(folder: Path, device: torch.device, dtype: str, graphs: bool) -> Any:
-    from worker.config import EngineConfig
-    from worker.engine import Engine
-    from worker.model_runner import build_model_runner
-
-    backend = "triton" if device.type == "cuda" else "torch"
-    config = EngineConfig(
-        model=str(folder), dtype=dtype, device=str(device), max_num_seqs=8, cuda_graphs=graphs,
-        kernel_backend=backend, cpu_kernels=False, max_model_len=512, kv_cache_gb=0.25,
-    )  # fmt: skip
-    runner, model_config, num_blocks = build_model_runner(config, folder)
-    return Engine(config, gpu_bench.IdTokenizer(), runner, model_config, num_blocks)
+    """The Triton kernels on the GPU; the torch path (no C kernels: the reference) on the CPU."""
+    backend = {} if device.type == "cuda" else {"kernel_backend": "torch", "cpu_kernels": False}
+    return gpu_bench.build_engine(
+        folder, device, dtype, 8, graphs, max_model_len=512, kv_cache_gb=0.25, **backend
+    )
 
 
 def device_vs_cpu(folder: Path, device: torch.device, vocab: int, new: int) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from loadtest.failover_bench import (
     StreamResult,
     metric,
     num_ready,
+    process_state,
     scrape,
     stream_completion,
     wait_for,
@@ -136,7 +137,7 @@ def test_serve_starts_tensor_parallel_workers_and_a_lost_rank_migrates_its_strea
 
             victim, results = asyncio.run(killed_mid_stream())
             deadline = time.monotonic() + 30
-            while Path(f"/proc/{workers[victim]}").exists() and _state(workers[victim]) != "Z":
+            while process_state(workers[victim]) not in ("gone", "Z"):
                 assert time.monotonic() < deadline, f"{victim} outlived its rank 1"
                 time.sleep(0.1)  # the poll interval of a deadline-bounded wait
             after = scrape(base_url)
@@ -154,10 +155,3 @@ def test_serve_starts_tensor_parallel_workers_and_a_lost_rank_migrates_its_strea
     )
     assert moved >= 1, f"{victim} was running streams, and none moved"
     assert metric(after, "tierserve_workers_lost_total") - metric(before, "tierserve_workers_lost_total") == 1
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"

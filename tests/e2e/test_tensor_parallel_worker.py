@@ -19,7 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from loadtest.failover_bench import num_ready
+from loadtest.failover_bench import num_ready, process_state
 from loadtest.launch import ROOT, free_port, log_tail, running_server
 from wire.sampling import SamplingParams
 from worker.models.store import default_model_dir, is_pulled
@@ -87,17 +87,10 @@ def test_a_three_rank_worker_answers_as_one_engine_and_dies_with_a_rank(tmp_path
             assert worker.wait(timeout=30) == 1  # at once, not at the next collective's timeout
             assert "exited with code -9: this worker stops" in worker_log.read_text()
             deadline = time.monotonic() + 30
-            while any(_state(pid) not in ("gone", "Z") for pid in ranks):
+            while any(process_state(pid) not in ("gone", "Z") for pid in ranks):
                 assert time.monotonic() < deadline, "a rank outlived its worker"
                 time.sleep(0.1)  # the poll interval of a deadline-bounded wait
     finally:
         if worker.poll() is None:
             worker.kill()
         worker.wait(timeout=30)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
