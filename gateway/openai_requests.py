@@ -1,10 +1,15 @@
 """The OpenAI request bodies this gateway takes, as msgspec Structs (the responses: openai_api.py).
 
 Requests decode straight from the body bytes (``decode_chat`` / ``decode_completion``); a wrong type
-becomes :class:`~wire.errors.InvalidRequestError` naming the field, as the client wrote it. Unknown
-fields are ignored, as OpenAI's own API and other compatible servers do, so newer clients keep working;
-known fields this server does not serve (the deprecated ``functions`` and ``function_call``) are
-refused by name. Tools: gateway/tools.py. Ranges
+becomes :class:`~wire.errors.InvalidRequestError` naming the field, as the client wrote it. A
+top-level field the server does not know is a 400 naming it, as OpenAI's own API answers
+("Unrecognized request argument"): nothing a client asks for is dropped without a word. Known
+fields accepted with no effect on the answer: ``user``, ``metadata``, ``store: false``, and the legacy
+``echo: false``, ``suffix`` empty, ``best_of`` equal to ``n``; any other value of them, and the
+deprecated ``functions`` and ``function_call``, is refused by name; so is an unknown key of
+``structured_outputs`` or ``response_format``. Inside the messages, tools and ``stream_options``,
+keys the server does not read are let through (clients replay OpenAI's own response messages, with
+``refusal``, ``annotations`` and ``audio`` in them). Tools: gateway/tools.py. Ranges
 (temperature, top_p, penalties, ...) are checked once, by ``SamplingParams.validate``, on both sides
 of the wire.
 """
@@ -65,7 +70,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class StructuredOutputsParams(msgspec.Struct, kw_only=True):
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's ``structured_outputs`` body field: exactly one of its kinds."""
 
     json: dict[str, Any] | bool | str | None = None  # a JSON schema (or its text)
@@ -101,14 +106,14 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True):
         return _structured("regex" if kind == "regex" else "grammar", text, field)
 
 
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str = "response"
     schema: dict[str, Any] | None = None
     strict: bool | None = None  # the answer always matches the schema here, strict or not
     description: str | None = None
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
+class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """OpenAI's ``response_format``: text, any JSON object, or JSON matching a schema."""
 
     type: str = "text"
@@ -144,7 +149,7 @@ def _structured(
     return StructuredOutput(kind=kind, spec=spec, field=field, whitespace_pattern=whitespace)
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The fields both endpoints share."""
 
     model: str
@@ -159,7 +164,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, no effect (tenants come from API keys)
+    metadata: dict[str, str] | None = None  # OpenAI's tags for stored completions: accepted, no effect
+    store: bool | None = None  # OpenAI's stored completions: only false (none are stored here)
     # vLLM's extensions to the OpenAI body, which benchmark tools and clients of vLLM send; accepted
     # under the same names and meanings (top_k 0 or -1: off, as in vLLM).
     top_k: int | None = None
@@ -180,6 +187,12 @@ class _Sampling(msgspec.Struct, kw_only=True):
     def check_n(self, max_n: int) -> None:
         if not 1 <= self.n <= max_n:
             raise InvalidRequestError("n", f"must be between 1 and {max_n}, got {self.n}")
+
+    def check_no_op_fields(self) -> None:
+        """The OpenAI fields accepted only where they change nothing (``store``; the legacy ones are
+        the completion endpoint's)."""
+        if self.store:
+            raise InvalidRequestError("store", "stored completions are not served: send false or omit it")
 
     def sampling(self, *, max_tokens: int | None, logprobs: int | None, room: int) -> SamplingParams:
         """``room``: context left after the prompt, the default when the client sets no limit."""
@@ -311,6 +324,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         for name in UNSUPPORTED_CHAT_FIELDS:
             if getattr(self, name) is not None:
                 raise InvalidRequestError(name, "is deprecated and not served: send tools and tool_choice")
+        self.check_no_op_fields()
         self.structured_output()  # a forced call conflicts with another structured output
 
     def tool_spec(self) -> ToolSpec | None:
@@ -344,6 +358,23 @@ class CompletionRequest(_Sampling, kw_only=True):
     # batch decodes loosely here and ``prompts()`` checks that it is all of one kind.
     prompt: str | list[str | int | list[int]]
     logprobs: int | None = None  # the legacy API: a count of top alternatives
+    # The legacy API's other fields, accepted where they change nothing (check_supported).
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        """The legacy fields this server does not serve refused by name where they would change the
+        answer; ``store`` likewise."""
+        if self.echo:
+            raise InvalidRequestError("echo", "echoing the prompt is not served: send false or omit it")
+        if self.suffix:
+            raise InvalidRequestError("suffix", "insertion after a suffix is not served: omit it")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(
+                "best_of", f"only best_of equal to n ({self.n}) is served, got {self.best_of}"
+            )
+        self.check_no_op_fields()
 
     def prompts(self, max_prompts: int) -> list[str | list[int]]:
         """The prompts to complete: text or token ids each, at least one, at most ``max_prompts``."""
@@ -375,6 +406,7 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 
 
 T = TypeVar("T")
@@ -386,7 +418,13 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        match = _PATH.search(message) or _MISSING.search(message)
+        unknown, path = _UNKNOWN.search(message), _PATH.search(message)
+        if unknown is not None:  # "structured_outputs.x", or "x" at the top
+            field = ".".join(part for part in (path.group(1) if path else "", unknown.group(1)) if part)
+            raise InvalidRequestError(
+                field, "unrecognized request argument: this server does not serve it"
+            ) from None
+        match = path or _MISSING.search(message)
         # The path as the client wrote it ("messages[0].content"); the body itself when at the top.
         field = match.group(1) if match and match.group(1) else "body"
         raise InvalidRequestError(field, message) from None
@@ -405,4 +443,6 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
-    return decode_body(body, CompletionRequest)
+    request = decode_body(body, CompletionRequest)
+    request.check_supported()
+    return request

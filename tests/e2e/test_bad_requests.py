@@ -74,7 +74,8 @@ def _deep_schema(depth: int) -> dict[str, object]:
 
 
 DEEP_SCHEMA = _deep_schema(100)  # past the grammar engine's nesting limit
-DEEP_BODY = b'{"model": "mock", "messages": [], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+# nested inside function_call: a field the body decodes as any JSON (refused only after decoding)
+DEEP_BODY = b'{"model": "mock", "messages": [], "function_call": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
 # (id, path, body (bytes: sent as is), extra headers, status, error.param)
 BAD_REQUESTS: list[tuple[str, str, bytes | dict[str, object], dict[str, str], int, str | None]] = [

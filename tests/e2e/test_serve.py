@@ -152,7 +152,7 @@ def test_tokenize_and_detokenize_as_vllm_shapes_them(base_url: str) -> None:
     for path, body, param in [
         ("/tokenize", {"model": "mock"}, "prompt"),
         ("/tokenize", {"model": "mock", "prompt": "a", "messages": []}, "prompt"),
-        ("/tokenize", {"model": "mock", "prompt": "a", "add_bos": True}, "body"),
+        ("/tokenize", {"model": "mock", "prompt": "a", "add_bos": True}, "add_bos"),
         (
             "/tokenize",
             {"model": "mock", "messages": [{"role": "wizard", "content": "a"}]},
@@ -420,9 +420,17 @@ def test_malformed_frames_to_the_gateway_socket_are_dropped(
     assert reply.choices[0].text == expected_text(TOKENIZER.encode("still serving"), 5)
 
 
-def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
+def test_an_unknown_field_is_a_400_naming_it_and_no_op_fields_pass(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="mock", messages=MSG, max_tokens=3, extra_body={"some_future_field": {"x": 1}}
+        )
+    assert "some_future_field" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="mock", prompt="Once", max_tokens=3, echo=True)
+    assert "echo" in str(info.value)
     completion = client.chat.completions.create(
-        model="mock", messages=MSG, max_tokens=3, extra_body={"some_future_field": {"x": 1}}
+        model="mock", messages=MSG, max_tokens=3, user="u-1", metadata={"run": "7"}, store=False
     )
     assert completion.usage is not None and completion.usage.completion_tokens == 3
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import msgspec
 import pytest
@@ -49,9 +50,9 @@ def test_chat_fields_map_to_sampling_params() -> None:
 
 def test_vllm_extension_fields_map_to_sampling_params_and_bad_ones_name_themselves() -> None:
     """ignore_eos, top_k, min_p, repetition_penalty, stop_token_ids, skip_special_tokens: what vLLM
-    accepts beside the OpenAI fields (benchmark clients send ignore_eos); unknown fields stay ignored."""
+    accepts beside the OpenAI fields (benchmark clients send ignore_eos)."""
     body = {"ignore_eos": True, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1,
-            "stop_token_ids": [7, 9], "skip_special_tokens": False, "best_of": 2}  # fmt: skip
+            "stop_token_ids": [7, 9], "skip_special_tokens": False}  # fmt: skip
     for request in (
         decode_chat(chat_body(**body)),
         decode_completion(msgspec.json.encode({"model": "m", "prompt": "x", **body})),
@@ -106,6 +107,55 @@ def test_decode_errors_name_the_field(body: bytes, field: str) -> None:
     assert info.value.field == field
     error = invalid(info.value)
     assert error.status == 400 and error.param == field
+
+
+@pytest.mark.parametrize(
+    ("decode", "body", "field"),
+    [
+        (decode_chat, chat_body(some_future_field={"x": 1}), "some_future_field"),
+        (decode_chat, chat_body(service_tier="flex"), "service_tier"),
+        (decode_chat, chat_body(store=True), "store"),
+        (
+            decode_chat,
+            chat_body(structured_outputs={"regex": "a+", "disable_any_whitespace": True}),
+            "structured_outputs.disable_any_whitespace",
+        ),
+        (
+            decode_chat,
+            chat_body(response_format={"type": "json_object", "schema": {}}),
+            "response_format.schema",
+        ),
+        (decode_completion, b'{"model": "m", "prompt": "x", "echo": true}', "echo"),
+        (decode_completion, b'{"model": "m", "prompt": "x", "suffix": "end"}', "suffix"),
+        (decode_completion, b'{"model": "m", "prompt": "x", "n": 2, "best_of": 3}', "best_of"),
+        (decode_completion, b'{"model": "m", "prompt": "x", "frobnicate": true}', "frobnicate"),
+    ],
+)
+def test_a_field_that_would_be_dropped_is_a_400_naming_it(decode: Any, body: bytes, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        decode(body)
+    error = invalid(info.value)
+    assert error.status == 400 and error.param == field
+
+
+def test_fields_that_change_nothing_are_accepted() -> None:
+    """OpenAI's no-op fields at their no-op values, and keys inside messages and options that clients
+    replaying OpenAI's own responses send (``refusal``, ``annotations``)."""
+    message: dict[str, object] = {"role": "assistant", "content": "hi", "refusal": None, "annotations": []}
+    chat = decode_chat(
+        chat_body(
+            messages=[{"role": "user", "content": "x"}, message, {"role": "user", "content": "y"}],
+            user="u-1",
+            metadata={"run": "7"},
+            store=False,
+            stream_options={"include_usage": True, "include_obfuscation": False},
+        )
+    )
+    assert chat.include_usage and [m.role for m in chat.messages] == ["user", "assistant", "user"]
+    legacy = decode_completion(
+        b'{"model": "m", "prompt": "x", "echo": false, "suffix": "", "n": 2, "best_of": 2}'
+    )
+    assert legacy.n == 2
 
 
 def test_n_and_logprobs_map_to_sampling() -> None:
