@@ -36,10 +36,10 @@ def test_the_mock_and_the_real_run_fill_in_their_own_defaults() -> None:
 def test_the_real_light_load_is_calibrated_to_the_machine() -> None:
     real = parse_args([])
     assert real.light_rate is None and real.duration is None  # both set once a light request is timed
-    assert (real.light_load, real.light_requests) == (0.2, 30)
-    # A light request of 0.5 s alone: 0.4 req/s keeps the worker busy 20% of the time, 75 s for 30.
-    assert calibrated_rate(real.light_load, 0.5) == 0.4
-    assert phase_duration(real.light_requests, 0.4) == 75.0
+    assert (real.light_load, real.light_requests) == (0.2, 100)
+    # A light request of 0.4 s alone: 0.5 req/s keeps the worker busy 20% of the time, 200 s for 100.
+    assert calibrated_rate(real.light_load, 0.4) == 0.5
+    assert phase_duration(real.light_requests, 0.5) == 200.0
     # A slow machine's phase is bounded; a given rate is taken as it is.
     assert phase_duration(30, 0.01) == MAX_DURATION_S
     assert parse_args(["--light-rate", "1"]).light_rate == 1.0
