@@ -57,6 +57,15 @@ class SloBudgetParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     per_prefill_token_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.5
     per_context_token_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0005
     forget: Annotated[float, msgspec.Meta(gt=0.5, le=1)] = 0.98
+    # Tenant isolation: while two or more tenants of one tier have had requests in the worker within
+    # ``shared_window_s``, every step holds the running streams' decodes and at most
+    # max((shared_step_factor − 1) · their step, a ``shared_chunk_tokens`` chunk) more, so one
+    # tenant's prefill never holds a step long enough for another tenant's arrival to wait it out;
+    # a due first token of a tenant within its slot share keeps its whole prefill in one step.
+    # 0: no cap.
+    shared_step_factor: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    shared_chunk_tokens: Annotated[int, msgspec.Meta(ge=1)] = 32
+    shared_window_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
 
 class SloBudget:
@@ -100,6 +109,7 @@ class SloBudget:
         )
         self.model = StepTimeModel(prior, forget=params.forget)
         self.strictest_ttft_ms: float | None = None  # over every request seen (None: none yet)
+        self._tenants_seen: dict[int, dict[str | None, float]] = {}  # tier rank → tenant → last seen
 
     def target_ms(self, running: Sequence[SeqView], waiting: Sequence[SeqView]) -> float | None:
         """The strictest TPOT target in force (ms), None for none."""
@@ -110,11 +120,17 @@ class SloBudget:
         self, running: Sequence[SeqView], waiting: Sequence[SeqView], limits: StepLimits
     ) -> StepBudget:
         self._remember_ttft((*running, *waiting))
+        shared = self._tier_is_shared(running, waiting, limits.now)
         ceilings = StepBudget(limits.max_num_batched_tokens, limits.max_num_seqs)
         target = self.target_ms(running, waiting)
-        if target is None and self.params.idle_ttft_fraction == 0:
+        if target is None and self.params.idle_ttft_fraction == 0 and not shared:
             return ceilings
-        limit = self._idle_limit() if target is None else self._stream_limit(target, running, waiting, limits)
+        if target is None:
+            limit = self._idle_limit() if self.params.idle_ttft_fraction > 0 else None
+        else:
+            limit = self._stream_limit(target, running, waiting, limits)
+        if shared:
+            limit = self._isolating(limit, running, waiting, limits)
         return StepBudget(ceilings.max_num_tokens, ceilings.max_num_seqs, limit)
 
     def _idle_limit(self) -> StepTimeLimit:
@@ -164,6 +180,68 @@ class SloBudget:
             if step_ms > shared_ms:
                 first_token_ms[r.request_id] = step_ms
         return StepTimeLimit(cost, shared_ms, first_token_ms)
+
+    def _isolating(
+        self,
+        limit: StepTimeLimit | None,
+        running: Sequence[SeqView],
+        waiting: Sequence[SeqView],
+        limits: StepLimits,
+    ) -> StepTimeLimit:
+        """``limit`` capped for a tier shared between tenants: a step holds the running streams'
+        decodes and at most ``max((shared_step_factor − 1) · their step, a shared_chunk_tokens
+        chunk)`` more, so another tenant's arrival waits at most that. A due first token of a tenant
+        within its slot share (its own slot counted; the tier's tenants are those seen within
+        ``shared_window_s``, requests in the worker or not) may still have its whole prefill beside the
+        decodes in one step, within its ceiling from ``limit``: the cap holds back the tenants over
+        their share, not it (and the step ends with its prompt, not with others' chunks after it)."""
+        cost = self.model.cost
+        decoding = [r for r in running if r.first_token_time is not None]
+        decodes_ms = streams_decode_ms(cost, decoding)
+        decode_step_ms = cost.fixed_ms + decodes_ms
+        extra_ms = max(
+            (self.params.shared_step_factor - 1) * decode_step_ms,
+            cost.chunk_ms(self.params.shared_chunk_tokens, 0),
+        )
+        cap = max(self.params.min_step_factor * cost.floor_ms, decode_step_ms + extra_ms)
+        max_ms = cap if limit is None else min(limit.max_ms, cap)
+        waiting_ids = {r.request_id for r in waiting}
+        shares: dict[int, SlotShares] = {}
+        first_token_ms: dict[str, float] = {}
+        for r in (*running, *waiting):
+            if r.first_token_time is not None or r.ttft_deadline is None:
+                continue
+            if limit is None:
+                uncapped = first_token_step_ms(cost, decodes_ms, r)
+            else:
+                uncapped = limit.first_token_ms.get(r.request_id, limit.max_ms)
+            ceiling = min(uncapped, cap)
+            if uncapped > ceiling and is_due(r, limits.now, late_too=not decoding):
+                tier = shares.get(r.tier_rank)
+                if tier is None:
+                    seen = self._tenants_seen.get(r.tier_rank, {})
+                    tier = slot_shares(r.tier_rank, running, waiting, limits.max_num_seqs, recent=seen)
+                    shares[r.tier_rank] = tier
+                if not tier.over(r.tenant, int(r.request_id in waiting_ids)):
+                    ceiling = min(uncapped, max(cap, first_token_step_ms(cost, decodes_ms, r)))
+            if ceiling > max_ms:
+                first_token_ms[r.request_id] = ceiling
+        return StepTimeLimit(cost, max_ms, first_token_ms)
+
+    def _tier_is_shared(self, running: Sequence[SeqView], waiting: Sequence[SeqView], now: float) -> bool:
+        """Whether two or more tenants of one tier have had requests within ``shared_window_s``."""
+        if self.params.shared_step_factor == 0:
+            return False
+        for r in (*running, *waiting):
+            self._tenants_seen.setdefault(r.tier_rank, {})[r.tenant] = now
+        shared = False
+        for rank, seen in list(self._tenants_seen.items()):
+            for tenant in [t for t, at in seen.items() if now - at > self.params.shared_window_s]:
+                del seen[tenant]
+            if not seen:
+                del self._tenants_seen[rank]
+            shared = shared or len(seen) > 1
+        return shared
 
     def time_in_hand_ms(self, streams: Sequence[SeqView], now: float) -> float:
         """How long the next step may last with every stream's mean gap within ``safety`` of its

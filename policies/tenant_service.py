@@ -12,7 +12,7 @@ call (VTC's lift): being idle does not bank credit. Tenant ``None`` (no tenant) 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from policies.base import SeqView
@@ -117,15 +117,17 @@ def slot_shares(
     waiting: Sequence[SeqView],
     max_num_seqs: int,
     also: SeqView | None = None,
+    recent: Iterable[str | None] = (),
 ) -> SlotShares:
-    """The slot shares of tier ``rank``, counting ``also``'s tenant among its tenants."""
+    """The slot shares of tier ``rank``, counting ``also``'s tenant and the ``recent`` ones (seen
+    lately, with no request in the worker now) among its tenants."""
     held: dict[str | None, int] = {}
     num_urgent = 0
     for r in running:
         if r.tier_rank == rank:
             held[r.tenant] = held.get(r.tenant, 0) + 1
         num_urgent += r.tier_rank < rank
-    tenants = set(held) | {r.tenant for r in waiting if r.tier_rank == rank}
+    tenants = set(held) | {r.tenant for r in waiting if r.tier_rank == rank} | set(recent)
     if also is not None:
         tenants.add(also.tenant)
     return SlotShares(held, (max_num_seqs - num_urgent) / max(1, len(tenants)))
