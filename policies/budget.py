@@ -92,6 +92,9 @@ class SloBudget:
     With no TPOT target in force the limit is ``idle_ttft_fraction`` of the strictest TTFT target
     seen so far (``assumed_ttft_ms`` until one is seen), so batch prefill comes in pieces an urgent
     arrival does not wait long behind; ``idle_ttft_fraction = 0`` gives such steps the ceilings.
+    While two or more tenants of one tier have had requests within ``shared_window_s``, every step
+    is further capped near the running streams' decode step (:meth:`_isolating`), so one tenant's
+    prefill is not a step another tenant's arrival waits out.
 
     The scheduler fills a step in the ordering's order up to the limit: under ``tiered`` the urgent
     decodes and prefill go first, batch decodes that do not fit sit out keeping their KV, a prefill
