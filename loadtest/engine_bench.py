@@ -30,7 +30,7 @@ from worker.config import EngineConfig
 from worker.cpu_isa import probe
 from worker.engine import Engine
 from worker.model_runner import ModelRunner
-from worker.models.cpu_linear import DecodeLinear
+from worker.models.cpu_linear import DecodeLinear, PanelLinear
 from worker.models.cpu_packing import PackedLinear
 from worker.models.store import resolve_model
 
@@ -181,7 +181,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     matrix once; of the embedding table only one row, unless it doubles as the lm_head."""
     total = 0
     for module in model.modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, PackedLinear | PanelLinear):
             total += module.weight_bytes
             continue
         is_logits_matrix = isinstance(module, torch.nn.Embedding) and getattr(model, "lm_head", None) is None

@@ -50,7 +50,8 @@ class LayerArgs(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("ln1", ctypes.c_void_p),
         ("ln2", ctypes.c_void_p),
-        ("w_qkv", ctypes.c_void_p),  # the weight (float, bf16), or a QWeightArgs (decode_q.c)
+        # the weight (float32: packed, linear.pack_weight; bf16 as is), or a QWeightArgs (decode_q.c)
+        ("w_qkv", ctypes.c_void_p),
         ("w_o", ctypes.c_void_p),
         ("w_gate_up", ctypes.c_void_p),
         ("w_down", ctypes.c_void_p),

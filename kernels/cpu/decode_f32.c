@@ -9,7 +9,8 @@
  *
  * The same arithmetic as the torch path (kernels/rms_norm.py, rotary.py, activation.py,
  * paged_attention.py) up to float32 rounding: sums in another order, an exp of a few ulp.
- * Linears are linear_f32.c's (one OpenMP region each); attention runs one (row, head) per task.
+ * Linears are linear_f32.c's over weights packed in panels (one OpenMP region each); attention runs one
+ * (row, head) per task.
  * Cache layout: [2, Hkv, num_blocks, block_size, D] (kernels/paged_attention.py).
  *
  * Built once per ISA, with that ISA's -m flags (build.py: one library each), so that every loop here,

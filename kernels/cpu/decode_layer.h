@@ -5,7 +5,8 @@
  *   LOADW(v)          a W value as float;  STOREW(f): a float as W;  VLOADW(p): VL of them as a vector
  *   DECODE(name)      the exported names (decode_f32_layer, ...)
  *   WLIN              (optional) the type the linears' weight pointers point to; W unless defined
- *   LINEAR(x, w, b, y, M, N, K, nt)   y[M, N] (float) = x[M, K] (float) @ w[N, K]^T + b; it may use
+ *   LINEAR(x, w, b, y, M, N, K, nt)   y[M, N] (float) = x[M, K] (float) @ w[N, K]^T + b, w laid out as
+ *                     that LINEAR reads it (float32: packed in panels, linear_f32.c); it may use
  *                     `scratch` (M * K values of W) for its input
  * Activations and the residual stream are float32 whatever W is. The KV cache is W too unless the file
  * defines WKV (its element type) with LOADKV(v), STOREKV(f) and VLOADKV(p) as for W (decode_q_kv16.c:

@@ -1,6 +1,7 @@
-"""``x @ w.T + b`` for the few rows of a decode step on CPU: the C kernels' launcher and the torch
-reference (``F.linear``, the spec). float32 (``linear_f32.c``: an AVX-512 and an AVX2 function) and
-bfloat16 (``linear_bf16.c``: AVX512-BF16 only); the caller asks the CPU probe which ISA can run.
+"""``x @ w.T + b`` on CPU: the C kernels' launcher and the torch reference (``F.linear``, the spec).
+float32 (``linear_f32.c``: an AVX-512 and an AVX2 function, over the weight packed in panels of
+``PANEL`` rows, ``pack_weight``) and bfloat16 (``linear_bf16.c``: AVX512-BF16 only, the weight as it
+is); the caller asks the CPU probe which ISA can run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,23 @@ KERNELS = {
 }
 SOURCE = HERE / "linear_f32.c"
 ISAS = ("avx512", "avx2")  # the float32 ones
+PANEL = 48  # linear_f32.c's PANEL (checked against the library when it loads)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 ``[N, K]`` weight as ``linear_f32.c`` reads it: ``[ceil(N / PANEL), K, PANEL]``,
+    ``packed[p, k, j] = weight[p * PANEL + j, k]``, the rows past N zero."""
+    num_out, num_in = weight.shape
+    panels = -(-num_out // PANEL)
+    padded = weight.new_zeros(panels * PANEL, num_in)
+    padded[:num_out] = weight
+    return padded.view(panels, PANEL, num_in).transpose(1, 2).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor, num_out: int) -> torch.Tensor:
+    """``pack_weight``'s inverse: the ``[num_out, K]`` weight (a copy)."""
+    panels, num_in, panel = packed.shape
+    return packed.transpose(1, 2).reshape(panels * panel, num_in)[:num_out].clone()
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -31,13 +49,19 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 class CpuLinearKernel:
     """One (dtype, ISA) kernel, loaded. ``linear`` checks its arguments (``ValueError`` naming the bad
-    one)."""
+    one). ``packed``: the kernel reads its weight as ``pack_weight`` lays it out (float32)."""
 
     def __init__(self, library: ctypes.CDLL, isa: str, dtype: torch.dtype = torch.float32) -> None:
         if (dtype, isa) not in KERNELS:
             choices = [f"{d} {i}" for d, i in KERNELS]
             raise ValueError(f"isa: expected one of {choices}, got {dtype} {isa!r}")
         self.isa, self.dtype = isa, dtype
+        self.packed = dtype == torch.float32
+        if self.packed:
+            library.linear_f32_panel.restype = ctypes.c_int64
+            panel = library.linear_f32_panel()
+            if panel != PANEL:
+                raise ValueError(f"linear_f32.c packs {panel} rows a panel, PANEL is {PANEL}")
         self._fn = getattr(library, KERNELS[dtype, isa][1])
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fn.restype = None
@@ -47,24 +71,50 @@ class CpuLinearKernel:
         return self.bind(weight, bias)(x)
 
     def bind(self, weight: torch.Tensor, bias: torch.Tensor | None) -> BoundLinear:
-        """The kernel for one layer: its weight and bias checked once, only ``x`` per call."""
+        """The kernel for one layer: its weight (``[N, K]``; packed here where the kernel packs) and
+        bias checked once, only ``x`` per call."""
         _check(weight, "weight", 2, self.dtype)
+        if not self.packed:
+            return self._bound(weight, weight.shape[0], bias)
+        return self.bind_packed(pack_weight(weight), weight.shape[0], bias)
+
+    def bind_packed(self, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None) -> BoundLinear:
+        """As ``bind``, over a weight already packed (``pack_weight``) into ``num_out`` rows."""
+        if not self.packed:
+            raise ValueError(f"the {self.dtype} kernel reads its weight unpacked")
+        _check(packed, "packed weight", 3, self.dtype)
+        panels = -(-num_out // PANEL)
+        if packed.shape[2] != PANEL or packed.shape[0] != panels:
+            raise ValueError(f"packed weight: expected [{panels}, K, {PANEL}], got {tuple(packed.shape)}")
+        return self._bound(packed, num_out, bias)
+
+    def _bound(self, weight: torch.Tensor, num_out: int, bias: torch.Tensor | None) -> BoundLinear:
         if bias is not None:
             _check(bias, "bias", 1, self.dtype)
-            if bias.shape[0] != weight.shape[0]:
-                raise ValueError(f"bias: expected [{weight.shape[0]}], got {tuple(bias.shape)}")
-        return BoundLinear(self._fn, weight, bias, self.dtype)
+            if bias.shape[0] != num_out:
+                raise ValueError(f"bias: expected [{num_out}], got {tuple(bias.shape)}")
+        num_in = weight.shape[1]
+        return BoundLinear(self._fn, weight, num_out, num_in, bias, self.dtype)
 
 
 class BoundLinear:
-    """``x @ weight.T + bias`` by the C kernel; holds the tensors it points into."""
+    """``x @ weight.T + bias`` by the C kernel; holds the tensors it points into (``weight`` as the
+    kernel reads it: packed for float32)."""
 
     __slots__ = ("_bias_ptr", "_fn", "_weight_ptr", "bias", "dtype", "num_in", "num_out", "weight")
 
-    def __init__(self, fn: Any, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        fn: Any,
+        weight: torch.Tensor,
+        num_out: int,
+        num_in: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> None:
         self._fn, self.dtype = fn, dtype
         self.weight, self.bias = weight, bias
-        self.num_out, self.num_in = weight.shape
+        self.num_out, self.num_in = num_out, num_in
         self._weight_ptr = weight.data_ptr()
         self._bias_ptr = None if bias is None else bias.data_ptr()
 

@@ -1,248 +1,222 @@
-/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) in float32, for the few rows of a decode step.
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) in float32, over w packed in panels of PANEL rows.
  *
- * At batch 1 a decode step is a matrix-vector product per linear, bound by reading w once from memory.
- * MKL's sgemm reads a cold w at about 12 GB/s there (2-core EPYC, 36-50 GB/s read bandwidth); a row
- * sweep that streams w once, with the M rows of x kept hot, reads it at 30.
+ *     packed[p][k][j] = w[p * PANEL + j][k]      (kernels/cpu/linear.py: pack_weight; rows past N zero)
  *
- *     w rows n0..n0+NR   x rows m0..m0+MR         acc[MR][NR] vector accumulators, one per (m, n)
- *     [------ K ------]  [------ K ------]        k walks both in steps of one vector
+ * A panel is PANEL outputs wide and K deep, contiguous: a k step of the tile below reads PANEL
+ * consecutive floats of it and broadcasts one float of each x row (a GEMM micro-kernel's layout), so
+ * the accumulators are whole output vectors: no horizontal sums, and every output is the plain
+ * sequential sum over k (one FMA a k, from 0, then + bias) whatever the tile, the row count or the
+ * ISA: a row's result does not depend on its batch, and AVX2 and AVX-512 agree bit for bit.
  *
- * Each w tile (NR rows) is read from memory once and from L1 for every further tile of x rows. One
- * OpenMP loop over w's row tiles: libgomp is the one torch loaded (same soname), so this shares torch's
- * thread pool. One function per ISA (target attributes), the caller picks by the CPU probe; the build
- * needs no -m flags, so one .so serves every CPU.
+ *     AVX-512: MR_512 (8) x rows by the 48 outputs of a panel, 24 zmm accumulators
+ *     AVX2:    MR_256 (6) x rows by 16 outputs (a panel in three passes), 12 ymm accumulators;
+ *              fewer rows: one row by the whole panel, 6 accumulators
+ *
+ * One OpenMP loop over panels (libgomp is the one torch loaded, same soname: torch's thread pool),
+ * each thread's panels contiguous in memory; while a panel's tiles run, the next panel is prefetched
+ * into L2 a share per tile (the hardware prefetcher alone left the first tile of each panel waiting
+ * on memory: 16 rows 0.91 -> 0.86 of the row-major kernel's time, 8 rows 0.97 -> 0.91), but not for
+ * one row, a single stream the hardware follows (0.92 without, 1.14 with; medians of 30 alternations). SmolLM2's 120 layer linears, 424 MB, cold, best of 5 (2-core Zen 5 EPYC, 474 GFLOPS FMA
+ * peak): AVX-512 at 32 rows 15.3 ms (445 GFLOPS) where the 4 x 4 tile over row-major w took 23.2, at
+ * 128 rows 55 ms (493) where it took 67; AVX2 (237 peak) level with its 4 x 3 tile (~220 from 64
+ * rows) and ahead of MKL's sgemm (116-172). One function per ISA (target attributes): the build
+ * needs no -m flags, one .so serves every CPU, the caller picks by the CPU probe.
  */
 #include <immintrin.h>
 #include <stdint.h>
 
-#include "prefetch.h"
-#include "reduce16.h"
+#define PANEL 48     /* outputs a panel: 3 zmm, 6 ymm; SmolLM2's 192, 576, 960, 1536, 3072, 49152 divide */
+#define MR_512 8     /* x rows an AVX-512 tile: 8 x 3 accumulators, 3 w vectors, a broadcast of 32 zmm */
+#define MR_256 6     /* x rows an AVX2 tile: 6 x 2 accumulators, 2 w vectors, a broadcast of 16 ymm */
+#define ROW_BLOCK 128 /* x rows a pass over w: the panel is reused from L2 by every group of them */
+#define K_CHUNK 16   /* k steps between prefetch bursts (a burst in the k loop itself kept the
+                      * accumulators in memory: GCC stored them every step) */
 
-#define NR 4 /* w rows per tile */
-#define ROW_BLOCK 128 /* x rows a pass over w: 128 x 1536 floats, 768 KiB */
+int64_t linear_f32_panel(void) { return PANEL; }
 
-/* mr (<= 4) x rows by nr (<= NR) w rows, one accumulator an output. Always inlined with mr and nr
- * constants (tile_mn_avx512's switch), so the loops unroll and the 16 accumulators stay in registers;
- * with bounds known only at run time they lived on the stack (an FMA a load and a store). SmolLM2's
- * linears at 64 rows, cold: 203 GFLOPS then, 254 now, of a 474 GFLOPS FMA peak (2-core Zen 5 EPYC). */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-static inline __attribute__((always_inline)) void tile_avx512(const float *x, const float *w, float *y,
-                                                               const float *bias, int mr, int nr,
-                                                               int64_t N, int64_t K) {
-    __m512 acc[4][NR];
-    for (int a = 0; a < 4; a++)
-        for (int b = 0; b < NR; b++) acc[a][b] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 wv[NR];
-        for (int b = 0; b < nr; b++) wv[b] = _mm512_loadu_ps(w + b * K + k);
-        for (int a = 0; a < mr; a++) {
-            __m512 xv = _mm512_loadu_ps(x + a * K + k);
-            for (int b = 0; b < nr; b++) acc[a][b] = _mm512_fmadd_ps(xv, wv[b], acc[a][b]);
-        }
-    }
-    /* The tail, masked, apart from the body: masking the body's loads too (one loop) measured 1.4x
-     * slower at 16 rows, where the kernel then lost to MKL. */
-    if (k < K) {
-        __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);
-        __m512 wv[NR];
-        for (int b = 0; b < nr; b++) wv[b] = _mm512_maskz_loadu_ps(mask, w + b * K + k);
-        for (int a = 0; a < mr; a++) {
-            __m512 xv = _mm512_maskz_loadu_ps(mask, x + a * K + k);
-            for (int b = 0; b < nr; b++) acc[a][b] = _mm512_fmadd_ps(xv, wv[b], acc[a][b]);
-        }
-    }
-    /* the 16 accumulators reduced together, transposed: ~2 instructions an output, where a horizontal
-     * sum each took ~8 (a quarter of the FMAs of a 576-long row) */
-    __m512 flat[4 * NR];
-    for (int a = 0; a < 4; a++)
-        for (int b = 0; b < NR; b++) flat[a * NR + b] = acc[a][b];
-    __m512 r = reduce16_avx512(flat);
-    if (nr == NR) { /* lane 4a+b is (row a, w row b): one masked store a row, the pointer offset back by 4a */
-        if (bias) r = _mm512_add_ps(r, _mm512_broadcast_f32x4(_mm_loadu_ps(bias)));
-        for (int a = 0; a < mr; a++) _mm512_mask_storeu_ps(y + a * N - 4 * a, (__mmask16)(0xFu << (4 * a)), r);
-        return;
-    }
-    float dots[4 * NR];
-    _mm512_storeu_ps(dots, r);
-    for (int a = 0; a < mr; a++)
-        for (int b = 0; b < nr; b++) y[a * N + b] = dots[a * NR + b] + (bias ? bias[b] : 0.0f);
+/* The next panel's lines, a share a tile: the tiles of one panel fetch it all between them. */
+struct panel_prefetch {
+    const char *at, *end;
+    int64_t per_chunk; /* lines a K_CHUNK of k steps */
+};
+
+static inline struct panel_prefetch panel_prefetch(const float *next_panel, int64_t K, int64_t tile,
+                                                   int64_t num_tiles) {
+    int64_t lines = (K * PANEL * (int64_t)sizeof(float) + 63) / 64, share = (lines + num_tiles - 1) / num_tiles;
+    const char *base = (const char *)next_panel;
+    int64_t chunks = (K + K_CHUNK - 1) / K_CHUNK;
+    struct panel_prefetch pf = {base + tile * share * 64, base + (tile + 1) * share * 64,
+                                (share + chunks - 1) / chunks};
+    return pf;
 }
 
-/* tile_avx512 with mr and nr as constants in every branch. */
-#define TILE_NR_AVX512(mr)                                                                         \
-    switch (nr) {                                                                                  \
-    case 4: tile_avx512(x, w, y, bias, mr, 4, N, K); break;                                        \
-    case 3: tile_avx512(x, w, y, bias, mr, 3, N, K); break;                                        \
-    case 2: tile_avx512(x, w, y, bias, mr, 2, N, K); break;                                        \
-    default: tile_avx512(x, w, y, bias, mr, 1, N, K); break;                                       \
-    }
+static inline void prefetch_burst(struct panel_prefetch *pf) {
+    for (int64_t i = 0; i < pf->per_chunk && pf->at < pf->end; i++, pf->at += 64) _mm_prefetch(pf->at, _MM_HINT_T1);
+}
+
+/* mr (<= MR_512, a constant at every call: tile_m_avx512's switch) rows by the panel's 48 outputs,
+ * of which ncols are stored. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-static void tile_mn_avx512(const float *x, const float *w, float *y, const float *bias, int64_t mr,
-                           int64_t nr, int64_t N, int64_t K) {
+static inline __attribute__((always_inline)) void tile_avx512(const float *x, const float *panel, float *y,
+                                                               const float *bias, int mr, int64_t N, int64_t K,
+                                                               int64_t ncols, struct panel_prefetch pf) {
+    __m512 acc[MR_512][3];
+    for (int a = 0; a < MR_512; a++)
+        for (int j = 0; j < 3; j++) acc[a][j] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+        prefetch_burst(&pf);
+        int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
+        for (int64_t k = k0; k < k1; k++) {
+            const float *w = panel + k * PANEL;
+            __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
+            for (int a = 0; a < mr; a++) {
+                __m512 xa = _mm512_set1_ps(x[a * K + k]);
+                acc[a][0] = _mm512_fmadd_ps(xa, w0, acc[a][0]);
+                acc[a][1] = _mm512_fmadd_ps(xa, w1, acc[a][1]);
+                acc[a][2] = _mm512_fmadd_ps(xa, w2, acc[a][2]);
+            }
+        }
+    }
+    for (int j = 0; j < 3; j++) {
+        int64_t left = ncols - 16 * j;
+        if (left <= 0) break;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+        for (int a = 0; a < mr; a++) _mm512_mask_storeu_ps(y + a * N + 16 * j, mask, _mm512_add_ps(acc[a][j], b));
+    }
+}
+
+#define TILE_512(m) case m: tile_avx512(x, panel, y, bias, m, N, K, ncols, pf); break;
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+static void tile_m_avx512(const float *x, const float *panel, float *y, const float *bias, int64_t mr, int64_t N,
+                          int64_t K, int64_t ncols, struct panel_prefetch pf) {
     switch (mr) {
-    case 4: TILE_NR_AVX512(4); break;
-    case 3: TILE_NR_AVX512(3); break;
-    case 2: TILE_NR_AVX512(2); break;
-    default: TILE_NR_AVX512(1); break;
+        TILE_512(8) TILE_512(7) TILE_512(6) TILE_512(5) TILE_512(4) TILE_512(3) TILE_512(2)
+    default: tile_avx512(x, panel, y, bias, 1, N, K, ncols, pf); break;
     }
 }
 
-/* One x row: w streamed row by row (one stream per thread), four accumulators along k. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-static inline float row_dot_avx512(const float *x, const float *r, int64_t K) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r + k), _mm512_loadu_ps(x + k), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(r + k + 32), _mm512_loadu_ps(x + k + 32), a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(r + k + 48), _mm512_loadu_ps(x + k + 48), a3);
-    }
-    for (; k < K; k += 16) {
-        __mmask16 mask = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
-        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, r + k), _mm512_maskz_loadu_ps(mask, x + k), a0);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-void linear_f32_avx512(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+void linear_f32_avx512(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
                        int64_t K, int num_threads) {
-    if (M > ROW_BLOCK) { /* x a block of rows at a time, so that it stays in L2 while w streams past */
+    if (M > ROW_BLOCK) {
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK)
-            linear_f32_avx512(x + m0 * K, w, bias, y + m0 * N, M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, N, K,
+            linear_f32_avx512(x + m0 * K, packed, bias, y + m0 * N, M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, N, K,
                               num_threads);
         return;
     }
-    if (M == 1) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL, num_tiles = (M + MR_512 - 1) / MR_512;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) y[n] = row_dot_avx512(x, w + n * K, K) + (bias ? bias[n] : 0.0f);
-        return;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += NR) {
-        int64_t nr = N - n0 < NR ? N - n0 : NR;
-        struct prefetcher pf = prefetch_ahead(w, n0, NR, N, K * sizeof(float), (M + 3) / 4);
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            prefetch_share(&pf);
-            tile_mn_avx512(x + m0 * K, w + n0 * K, y + m0 * N + n0, bias ? bias + n0 : 0, M - m0 < 4 ? M - m0 : 4,
-                           nr, N, K);
+    for (int64_t p = 0; p < num_panels; p++) {
+        const float *panel = packed + p * K * PANEL;
+        const int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int64_t t = 0; t < num_tiles; t++) {
+            const int64_t m0 = t * MR_512;
+            tile_m_avx512(x + m0 * K, panel, y + m0 * N + n0, bias ? bias + n0 : 0,
+                          M - m0 < MR_512 ? M - m0 : MR_512, N, K, ncols,
+                          p + 1 < num_panels && M > 1 ? panel_prefetch(panel + K * PANEL, K, t, num_tiles)
+                                                      : (struct panel_prefetch){0, 0, 0});
         }
     }
 }
 
+/* AVX2: MR_256 rows (x0..x5) by the 16 outputs at panel, into out (the rows past the last whole group
+ * go a row at a time, row_avx2). Named accumulators, not an array: GCC -O3 kept an array of
+ * them in memory as well (a store an FMA, half the speed). */
 __attribute__((target("avx2,fma")))
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* One w row against mr (1 or 2) x rows, streamed: four accumulators along k for each row (vectors of
- * 8 in turn), their sum, the tail, then the bias. */
-__attribute__((target("avx2,fma")))
-static inline __attribute__((always_inline)) void row_dot_avx2(const float *x, int mr, const float *r,
-                                                                int64_t K, float b, float *y, int64_t N) {
-    __m256 a[2][4];
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32)
-        for (int j = 0; j < 4; j++) {
-            __m256 wv = _mm256_loadu_ps(r + k + 8 * j);
-            for (int i = 0; i < mr; i++) a[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * K + k + 8 * j), a[i][j]);
-        }
-    for (; k + 8 <= K; k += 8) {
-        __m256 wv = _mm256_loadu_ps(r + k);
-        for (int i = 0; i < mr; i++) a[i][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * K + k), a[i][0]);
-    }
-    for (int i = 0; i < mr; i++) {
-        float s = hsum256(_mm256_add_ps(_mm256_add_ps(a[i][0], a[i][1]), _mm256_add_ps(a[i][2], a[i][3])));
-        for (int64_t t = k; t < K; t++) s += x[i * K + t] * r[t];
-        y[i * N] = s + b;
-    }
-}
-
-/* TM x rows by TN w rows, one accumulator an output: 12 accumulators, 3 w vectors and an x vector of
- * AVX2's 16 registers. mr and nr are constants at every call (the caller's switch), so the loops
- * unroll and the accumulators stay in registers; with bounds known only at run time they spilled
- * (the tile read 7 GB/s at 16 rows where this reads 11). */
-#define TM 4
-#define TN 3
-__attribute__((target("avx2,fma")))
-static inline __attribute__((always_inline)) void tile_avx2(const float *x, const float *w, float *y,
-                                                             const float *bias, int mr, int nr, int64_t N,
-                                                             int64_t K) {
-    __m256 acc[TM][TN];
-    for (int a = 0; a < TM; a++)
-        for (int b = 0; b < TN; b++) acc[a][b] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 wv[TN];
-        for (int b = 0; b < nr; b++) wv[b] = _mm256_loadu_ps(w + b * K + k);
-        for (int a = 0; a < mr; a++) {
-            __m256 xv = _mm256_loadu_ps(x + a * K + k);
-            for (int b = 0; b < nr; b++) acc[a][b] = _mm256_fmadd_ps(xv, wv[b], acc[a][b]);
+static void tile_avx2(const float *x0, const float *x1, const float *x2, const float *x3, const float *x4,
+                      const float *x5, const float *panel, int64_t K, float out[MR_256][16],
+                      struct panel_prefetch pf) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+           a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+    for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+        prefetch_burst(&pf);
+        int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
+        for (int64_t k = k0; k < k1; k++) {
+            __m256 w0 = _mm256_loadu_ps(panel + k * PANEL), w1 = _mm256_loadu_ps(panel + k * PANEL + 8), b;
+#define ROW(r)                                                                                                      \
+    b = _mm256_broadcast_ss(x##r + k);                                                                              \
+    a##r##0 = _mm256_fmadd_ps(b, w0, a##r##0);                                                                      \
+    a##r##1 = _mm256_fmadd_ps(b, w1, a##r##1);
+            ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
         }
     }
-    for (int a = 0; a < mr; a++)
-        for (int b = 0; b < nr; b++) {
-            float s = hsum256(acc[a][b]);
-            for (int64_t t = k; t < K; t++) s += x[a * K + t] * w[b * K + t];
-            y[a * N + b] = s + (bias ? bias[b] : 0.0f);
+#define OUT(r) _mm256_storeu_ps(out[r], a##r##0), _mm256_storeu_ps(out[r] + 8, a##r##1);
+    OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5)
+#undef OUT
+}
+
+/* One x row by a whole panel (6 accumulators, w read as the FMAs' memory operands). */
+__attribute__((target("avx2,fma")))
+static void row_avx2(const float *x, const float *panel, int64_t K, float out[PANEL], struct panel_prefetch pf) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+        prefetch_burst(&pf);
+        int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
+        for (int64_t k = k0; k < k1; k++) {
+            const float *w = panel + k * PANEL;
+            __m256 b = _mm256_broadcast_ss(x + k);
+            a0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w), a0);
+            a1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 8), a1);
+            a2 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 16), a2);
+            a3 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 24), a3);
+            a4 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 32), a4);
+            a5 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 40), a5);
         }
+    }
+    _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1), _mm256_storeu_ps(out + 16, a2);
+    _mm256_storeu_ps(out + 24, a3), _mm256_storeu_ps(out + 32, a4), _mm256_storeu_ps(out + 40, a5);
 }
 
-/* Up to ROWS_STREAMED rows, w is streamed a row at a time (one stream per thread, as the AVX-512
- * M = 1 path; 2 rows of x a pass): at batch 1 it read SmolLM2's layers at ~30 GB/s on a 2-core EPYC
- * (37 GB/s read bandwidth) where 4-row tiles read 24. Past it the steps are compute-bound and the
- * TM x TN tile wins (16 rows: 37 ms where streaming took 45, MKL 55, for SmolLM2's 30 layers). */
-#define ROWS_STREAMED 4
-
-/* mr x rows (a constant) by the nr (1..TN) w rows at n0, with nr a constant in each branch. */
+/* sums (+ bias) into y: ncols of each of mr rows, rows out_stride floats apart in sums */
 __attribute__((target("avx2,fma")))
-static inline __attribute__((always_inline)) void tile_nr_avx2(const float *x, const float *w, float *y,
-                                                                const float *bias, int mr, int64_t nr,
-                                                                int64_t N, int64_t K) {
-    switch (nr) {
-    case 3: tile_avx2(x, w, y, bias, mr, 3, N, K); break;
-    case 2: tile_avx2(x, w, y, bias, mr, 2, N, K); break;
-    default: tile_avx2(x, w, y, bias, mr, 1, N, K); break;
+static void store_rows_avx2(const float *sums, int64_t out_stride, float *y, int64_t N, const float *bias,
+                            int64_t mr, int64_t ncols) {
+    for (int64_t r = 0; r < mr; r++) {
+        const float *s = sums + r * out_stride;
+        float *yr = y + r * N;
+        int64_t j = 0;
+        for (; j + 8 <= ncols; j += 8) {
+            __m256 v = _mm256_loadu_ps(s + j);
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j));
+            _mm256_storeu_ps(yr + j, v);
+        }
+        for (; j < ncols; j++) yr[j] = s[j] + (bias ? bias[j] : 0.0f);
     }
 }
 
 __attribute__((target("avx2,fma")))
-static void rows_of_x_avx2(const float *x, const float *w, float *y, const float *bias, int64_t M,
-                           int64_t n0, int64_t nr, int64_t N, int64_t K) {
-    const float *wn = w + n0 * K, *bn = bias ? bias + n0 : 0;
-    struct prefetcher pf = prefetch_ahead(w, n0, TN, N, K * sizeof(float), (M + TM - 1) / TM);
-    int64_t m0 = 0;
-    for (; m0 + TM <= M; m0 += TM) {
-        prefetch_share(&pf);
-        tile_nr_avx2(x + m0 * K, wn, y + m0 * N + n0, bn, TM, nr, N, K);
-    }
-    for (; m0 < M; m0++) {
-        prefetch_share(&pf);
-        tile_nr_avx2(x + m0 * K, wn, y + m0 * N + n0, bn, 1, nr, N, K);
-    }
-}
-
-__attribute__((target("avx2,fma")))
-void linear_f32_avx2(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+void linear_f32_avx2(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
                      int64_t K, int num_threads) {
-    if (M <= ROWS_STREAMED) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const float *r = w + n * K, b = bias ? bias[n] : 0.0f;
-            int64_t m = 0;
-            for (; m + 2 <= M; m += 2) row_dot_avx2(x + m * K, 2, r, K, b, y + m * N + n, N);
-            if (m < M) row_dot_avx2(x + m * K, 1, r, K, b, y + m * N + n, N);
-        }
+    if (M > ROW_BLOCK) {
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK)
+            linear_f32_avx2(x + m0 * K, packed, bias, y + m0 * N, M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, N, K,
+                            num_threads);
         return;
     }
+    const int64_t num_panels = (N + PANEL - 1) / PANEL, groups = M / MR_256, singles = M % MR_256;
+    const int64_t num_tiles = 3 * groups + singles; /* the prefetch's shares */
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += TN)
-        rows_of_x_avx2(x, w, y, bias, M, n0, N - n0 < TN ? N - n0 : TN, N, K);
+    for (int64_t p = 0; p < num_panels; p++) {
+        const float *panel = packed + p * K * PANEL, *next = p + 1 < num_panels && M > 1 ? panel + K * PANEL : 0;
+        const int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
+        const float *b = bias ? bias + n0 : 0;
+        int64_t tile = 0;
+        float out[MR_256][16], row[PANEL];
+        for (int64_t c = 0; c < 3 && 16 * c < ncols; c++) {
+            const int64_t width = ncols - 16 * c < 16 ? ncols - 16 * c : 16;
+            for (int64_t g = 0; g < groups; g++, tile++) {
+                const float *xg = x + g * MR_256 * K;
+                struct panel_prefetch pf = next ? panel_prefetch(next, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
+                tile_avx2(xg, xg + K, xg + 2 * K, xg + 3 * K, xg + 4 * K, xg + 5 * K, panel + 16 * c, K, out, pf);
+                store_rows_avx2(&out[0][0], 16, y + g * MR_256 * N + n0 + 16 * c, N, b ? b + 16 * c : 0, MR_256, width);
+            }
+        }
+        for (int64_t m = groups * MR_256; m < M; m++, tile++) {
+            struct panel_prefetch pf = next ? panel_prefetch(next, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
+            row_avx2(x + m * K, panel, K, row, pf);
+            store_rows_avx2(row, PANEL, y + m * N + n0, N, b, 1, ncols);
+        }
+    }
 }

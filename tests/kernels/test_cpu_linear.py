@@ -1,5 +1,5 @@
 """The C linear kernels equal their reference (F.linear) across shapes, tails and bias: float32 on AVX-512
-and AVX2, bfloat16 on AVX512-BF16."""
+and AVX2 (over weights packed in panels), bfloat16 on AVX512-BF16."""
 
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from kernels.cpu.build import KernelBuildError, compiler, load_library
-from kernels.cpu.linear import ISAS, SOURCE, CpuLinearKernel, linear_reference, load_linear_kernel
+from kernels.cpu.linear import (
+    ISAS,
+    PANEL,
+    SOURCE,
+    CpuLinearKernel,
+    linear_reference,
+    load_linear_kernel,
+    pack_weight,
+    unpack_weight,
+)
 from worker.cpu_isa import IsaLevel, probe
 
 NEEDS = {"avx512": IsaLevel.AVX512, "avx2": IsaLevel.AVX2}
@@ -40,7 +49,34 @@ def test_kernel_equals_reference(kernel: CpuLinearKernel, rows: int, n: int, k: 
     bias = torch.randn(n, generator=gen) if with_bias else None
     expected = linear_reference(x, weight, bias)
     # Another summation order than MKL's: equal to float32 rounding of a k-term dot product.
-    torch.testing.assert_close(kernel.linear(x, weight, bias), expected, rtol=1e-5, atol=1e-5 * k**0.5)
+    got = kernel.linear(x, weight, bias)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * k**0.5)
+    # every output the same sequential sum whatever the tile: a row alone equals it in its batch
+    bound = kernel.bind(weight, bias)
+    assert all(torch.equal(bound(x[i : i + 1].contiguous())[0], got[i]) for i in (0, rows // 2, rows - 1))
+
+
+@pytest.mark.parametrize("rows", [1, 6, 13])
+def test_both_isas_give_the_same_bits(rows: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """AVX-512 and AVX2 sum each output alike (one FMA a k, in order): equal bit for bit."""
+    if probe().native_level < IsaLevel.AVX512:
+        pytest.skip(f"needs both ISAs (this CPU is {probe().native_level.label})")
+    folder = tmp_path_factory.mktemp("kernels")
+    wide, narrow = load_linear_kernel("avx512", folder), load_linear_kernel("avx2", folder)
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 200, generator=gen), torch.randn(100, 200, generator=gen)
+    bias = torch.randn(100, generator=gen)
+    assert torch.equal(wide.linear(x, weight, bias), narrow.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("n", [1, PANEL - 1, PANEL, PANEL + 1, 3 * PANEL + 5])
+def test_packing_round_trips(n: int) -> None:
+    weight = torch.randn(n, 37)
+    packed = pack_weight(weight)
+    assert packed.shape == (-(-n // PANEL), 37, PANEL) and packed.is_contiguous()
+    assert torch.equal(unpack_weight(packed, n), weight)
+    assert torch.equal(packed[(n - 1) // PANEL, :, (n - 1) % PANEL], weight[n - 1])
+    assert not packed.transpose(1, 2).reshape(-1, 37)[n:].any()  # the last panel's rows past n are zero
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +115,8 @@ def test_bad_arguments_name_themselves(kernel: CpuLinearKernel) -> None:
         kernel.linear(x.double(), weight, None)
     with pytest.raises(ValueError, match="bias: expected"):
         kernel.linear(x, weight, torch.randn(5))
+    with pytest.raises(ValueError, match="packed weight: expected"):
+        kernel.bind_packed(pack_weight(weight), 2 * PANEL, None)
 
 
 def test_the_library_is_built_once_per_source_and_compiler(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from worker.cpu_isa import IsaLevel, caps_from_flags, probe
 from worker.engine import Engine
 from worker.model_runner import ModelRunner, build_model_runner
 from worker.models.cpu_decode import CpuDecodeStep, fused_decode_step
-from worker.models.cpu_linear import DecodeLinear, use_decode_linears
+from worker.models.cpu_linear import DecodeLinear, PanelEmbedding, PanelLinear, use_decode_linears
 from worker.models.loader import load_model
 
 pytestmark = pytest.mark.isa
@@ -49,7 +49,7 @@ def test_greedy_output_is_unchanged_alone_and_batched(name: str, tmp_path: Path)
     assert isinstance(fast.runner, ModelRunner)
     plain_model = plain.runner.model
     num_linears = sum(isinstance(m, nn.Linear) for m in plain_model.modules()) + (plain_model.lm_head is None)
-    num_swapped = sum(isinstance(m, DecodeLinear) for m in fast.runner.model.modules())
+    num_swapped = sum(isinstance(m, PanelLinear) for m in fast.runner.model.modules())
     assert num_swapped == (num_linears if probe().level >= IsaLevel.AVX2 else 0)
     # decode-only steps take the fused C layer (the prompts' lengths differ: mixed steps happen too)
     assert isinstance(fast.runner.decode_step, CpuDecodeStep) == (probe().level >= IsaLevel.AVX2)
@@ -63,10 +63,13 @@ def test_the_tied_embedding_and_lm_head_share_one_tensor(tmp_path: Path) -> None
     _save_hf("llama-tied", tmp_path)
     model, _ = load_model(tmp_path, torch.float32)
     before = model.embed_tokens.weight.detach().clone()
+    ids = torch.tensor([[0, 5, before.shape[0] - 1], [47, 48, 49]])
     assert use_decode_linears(model, caps_from_flags(AVX2), tmp_path / "kernels") > 0
-    assert isinstance(model.lm_head, DecodeLinear)
-    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
-    assert torch.equal(model.embed_tokens.weight, before)
+    assert isinstance(model.lm_head, PanelLinear) and isinstance(model.embed_tokens, PanelEmbedding)
+    assert model.embed_tokens.lm_head is model.lm_head  # the packed matrix, once
+    assert torch.equal(model.embed_tokens(ids), before[ids])  # rows across panel boundaries
+    hidden = torch.randn(3, before.shape[1])
+    torch.testing.assert_close(model.lm_head(hidden), hidden @ before.T, rtol=1e-5, atol=1e-5)
     assert model.lm_head.kernel.isa == "avx2"
 
 
@@ -84,7 +87,7 @@ def test_skipped_below_avx2_for_bf16_and_without_a_compiler(
     bf16, _ = load_model(tmp_path, torch.bfloat16)
     assert use_decode_linears(bf16, caps_from_flags(AVX2), tmp_path) == 0
     assert use_decode_linears(model, None, tmp_path) == 0
-    assert not any(isinstance(m, DecodeLinear) for m in model.modules())
+    assert not any(isinstance(m, DecodeLinear | PanelLinear) for m in model.modules())
 
 
 def test_the_fused_decode_step_is_skipped_where_it_cannot_run(

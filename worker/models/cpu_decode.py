@@ -33,8 +33,10 @@ from kernels.cpu.decode import (
     load_decode_kernel,
     load_quant_decode_kernel,
 )
+from kernels.cpu.linear import pack_weight
 from kernels.cpu.qlinear import KIND_CODES
 from worker.cpu_isa import CpuCaps, IsaLevel
+from worker.models.cpu_linear import PanelLinear
 from worker.models.llama import DecoderLayer, LlamaForCausalLM
 from worker.models.quant import QuantLinear, is_quantized, quant_isa
 
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 # Rows of one fused call. AVX2: 32, the linear kernel's own MAX_ROWS (cpu_linear.py; it was 16 until
 # its tile was unrolled, and the fused layer already won at 24 and 32 rows as a whole: 110 vs 141 ms,
 # 129 vs 146, TIERSERVE_CPU_ISA=avx2 on the 2-core EPYC, alternated 3x). AVX-512 float32: 128, where
-# the unrolled 4x4 tile runs at ~290 GFLOPS (MKL's sgemm ~160 on the same EPYC).
+# the linear's 8-row tiles over packed panels run at ~490 GFLOPS (MKL's sgemm ~160 on the same EPYC).
 MAX_ROWS = {"avx512": 128, "avx2": 32, "avx512_bf16": 32}
 # Block-quantized linears: VNNI's 512-bit tile (qlinear.c's tile512) runs SmolLM2's linears at 32
 # rows in 18 ms, 128 rows in 55 ms (~490 GFLOPS) on the 2-core EPYC (Zen 5); a 10 x 200-token
@@ -80,7 +82,7 @@ class CpuDecodeStep:
         cfg = model.config
         self.sliding_window = cfg.sliding_window or 0
         self.layers: list[LayerArgs] = []
-        self._keep: list[torch.Tensor] = []  # contiguous copies a pointer refers to (none for our models)
+        self._keep: list[torch.Tensor] = []  # copies a pointer refers to: contiguous, or packed weights
         self._structs: list[QWeightArgs] = []  # the quantized weights' descriptors the layers point to
         for layer, kv in zip(model.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
@@ -99,6 +101,8 @@ class CpuDecodeStep:
         """The address the kernel reads a linear's weight from: the tensor, or (quantized) a QWeightArgs
         naming its packed arrays."""
         if not self.kernel.quantized:
+            if self.kernel.dtype == torch.float32:
+                return self._panels(linear)
             assert isinstance(linear.weight, torch.Tensor)
             return self._tensor(linear.weight)
         assert isinstance(linear, QuantLinear) and linear.packed is not None
@@ -112,6 +116,16 @@ class CpuDecodeStep:
         )
         self._structs.append(args)
         return ctypes.addressof(args)
+
+    def _panels(self, linear: nn.Module) -> int:
+        """A float32 weight packed in panels, as linear_f32.c reads it: the transform's
+        (``use_decode_linears``), or a plain nn.Linear's packed here."""
+        if isinstance(linear, PanelLinear):
+            return linear.packed.data_ptr()
+        assert isinstance(linear.weight, torch.Tensor)
+        packed = pack_weight(linear.weight.detach())
+        self._keep.append(packed)
+        return packed.data_ptr()
 
     def _layer_args(self, layer: DecoderLayer, kv: torch.Tensor) -> LayerArgs:
         _, _, num_blocks, block_size, _ = kv.shape
