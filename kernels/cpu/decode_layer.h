@@ -206,11 +206,22 @@ static inline void attend_group(const float *q0, const Layer *L, const Step *S, 
         for (int64_t i = 0; i < nv; i++) acc[h][i] = VZERO();
     }
     int64_t rows[VL]; /* each key's offset into its plane */
+    const int64_t row_bytes = d * (int64_t)sizeof(WKV);
     for (int64_t c0 = t0; c0 < len; c0 += VL) {
         int64_t n = len - c0 < VL ? len - c0 : VL;
         for (int64_t j = 0; j < n; j++) {
             int64_t t = c0 + j;
             rows[j] = (table[t / bs] * bs + t % bs) * d;
+        }
+        /* the next chunk's keys and values into L1 while this one computes: the cache's blocks are
+         * scattered pages, where the hardware prefetcher stops at each block's end */
+        for (int64_t t = c0 + VL, end = len < c0 + 2 * VL ? len : c0 + 2 * VL; t < end; t++) {
+            const char *key = (const char *)(kbase + (table[t / bs] * bs + t % bs) * d);
+            const char *value = (const char *)(vbase + (table[t / bs] * bs + t % bs) * d);
+            for (int64_t b = 0; b < row_bytes; b += 64) {
+                _mm_prefetch(key + b, _MM_HINT_T0);
+                _mm_prefetch(value + b, _MM_HINT_T0);
+            }
         }
         for (int64_t h = 0; h < group; h++) {
             const float *q = q0 + h * d;
