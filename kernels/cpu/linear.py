@@ -65,6 +65,24 @@ class CpuLinearKernel:
         self._fn = getattr(library, KERNELS[dtype, isa][1])
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fn.restype = None
+        self._gather = library.linear_f32_gather_rows if self.packed else None
+        if self._gather is not None:
+            self._gather.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+            self._gather.argtypes += [ctypes.c_int64, ctypes.c_void_p]
+            self._gather.restype = ctypes.c_int64
+
+    def gather_rows(self, packed: torch.Tensor, num_out: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape, int64) of a packed ``[num_out, K]`` weight: ``[*ids.shape, K]``
+        (``IndexError`` for an id outside it, as an embedding's lookup)."""
+        if self._gather is None:
+            raise ValueError(f"the {self.dtype} kernel reads its weight unpacked")
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        num_in = packed.shape[1]
+        out = torch.empty(flat.numel(), num_in, dtype=torch.float32)
+        bad = self._gather(packed.data_ptr(), num_out, flat.data_ptr(), flat.numel(), num_in, out.data_ptr())
+        if bad >= 0:
+            raise IndexError(f"ids: expected values in [0, {num_out}), got {int(flat[bad])}")
+        return out.view(*ids.shape, num_in)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K], weight [N, K], bias [N] or None, all of the kernel's dtype on CPU -> [M, N]."""

@@ -34,6 +34,19 @@
 
 int64_t linear_f32_panel(void) { return PANEL; }
 
+/* out[t, :] = row ids[t] of the packed weight of N rows (a tied model's embedding read from its logits
+ * matrix): K floats PANEL apart. Returns -1, or the first t whose id is outside [0, N) (nothing read
+ * for it). Through torch's indexing this took ~0.4 ms a decode step. */
+int64_t linear_f32_gather_rows(const float *packed, int64_t N, const int64_t *ids, int64_t T, int64_t K,
+                               float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        if (ids[t] < 0 || ids[t] >= N) return t;
+        const float *src = packed + (ids[t] / PANEL) * K * PANEL + ids[t] % PANEL;
+        for (int64_t k = 0; k < K; k++) out[t * K + k] = src[k * PANEL];
+    }
+    return -1;
+}
+
 /* The next panel's lines, a share a tile: the tiles of one panel fetch it all between them. */
 struct panel_prefetch {
     const char *at, *end;

@@ -68,6 +68,8 @@ def test_the_tied_embedding_and_lm_head_share_one_tensor(tmp_path: Path) -> None
     assert isinstance(model.lm_head, PanelLinear) and isinstance(model.embed_tokens, PanelEmbedding)
     assert model.embed_tokens.lm_head is model.lm_head  # the packed matrix, once
     assert torch.equal(model.embed_tokens(ids), before[ids])  # rows across panel boundaries
+    with pytest.raises(IndexError, match="expected values in"):
+        model.embed_tokens(torch.tensor([1, before.shape[0]]))
     hidden = torch.randn(3, before.shape[1])
     torch.testing.assert_close(model.lm_head(hidden), hidden @ before.T, rtol=1e-5, atol=1e-5)
     assert model.lm_head.kernel.isa == "avx2"

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu.build import KernelBuildError
-from kernels.cpu.linear import PANEL, CpuLinearKernel, load_linear_kernel, pack_weight
+from kernels.cpu.linear import CpuLinearKernel, load_linear_kernel, pack_weight
 from worker.cpu_isa import CpuCaps, IsaLevel
 from worker.models.llama import LlamaForCausalLM
 from worker.models.weight_arena import WeightArena
@@ -69,9 +69,8 @@ class PanelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = lm_head.out_features, lm_head.in_features
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        flat = input_ids.reshape(-1)
-        rows = self.lm_head.packed[flat // PANEL, :, flat % PANEL]
-        return rows.view(*input_ids.shape, self.embedding_dim)
+        head = self.lm_head
+        return head.kernel.gather_rows(head.packed, self.num_embeddings, input_ids)
 
 
 class DecodeLinear(nn.Module):
