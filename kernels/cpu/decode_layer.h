@@ -84,6 +84,7 @@ static inline vf reduce_keys(const vf a[VL]) {
 }
 #endif
 #define MAX_GROUP 16
+#define ROWS_PARALLEL 8 /* rows from which the per-row work between the linears runs on every thread */
 
 int64_t DECODE(work_floats)(const Layer *L, int64_t num_rows) {
     int64_t qkv = (L->num_heads + 2 * L->num_kv_heads) * L->head_dim;
@@ -274,6 +275,7 @@ void DECODE(layer)(const Layer *L, const Step *S) {
     (void)scratch;
     float *residual = S->residual, *hidden = S->hidden;
 
+#pragma omp parallel for num_threads(nt) schedule(static) if (M >= ROWS_PARALLEL)
     for (int64_t m = 0; m < M; m++) {
         float *r = residual + m * H;
         const float *h = hidden + m * H;
@@ -288,6 +290,7 @@ void DECODE(layer)(const Layer *L, const Step *S) {
     LINEAR(xn, L->w_qkv, L->b_qkv, qkv, M, qkv_out, H, nt);
 
     const int64_t plane = L->num_blocks * L->block_size * D;
+#pragma omp parallel for num_threads(nt) schedule(static) if (M >= ROWS_PARALLEL)
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * qkv_out;
         for (int64_t h = 0; h < hq + hkv; h++) rotate_neox(row + h * D, S->cos_sin + m * D, D);
@@ -311,6 +314,7 @@ void DECODE(layer)(const Layer *L, const Step *S) {
     }
 
     LINEAR(attn, L->w_o, L->b_o, xn, M, H, attn_width, nt); /* xn is free again: the projection */
+#pragma omp parallel for num_threads(nt) schedule(static) if (M >= ROWS_PARALLEL)
     for (int64_t m = 0; m < M; m++) {
         float *r = residual + m * H, *o = xn + m * H;
 #pragma omp simd
@@ -318,6 +322,7 @@ void DECODE(layer)(const Layer *L, const Step *S) {
         rms_norm_row(r, L->ln2, o, H, L->eps);
     }
     LINEAR(xn, L->w_gate_up, L->b_gate_up, gate_up, M, 2 * I, H, nt);
+#pragma omp parallel for num_threads(nt) schedule(static) if (M >= ROWS_PARALLEL)
     for (int64_t m = 0; m < M; m++) {
         const float *g = gate_up + m * 2 * I, *u = g + I;
         float *a = act + m * I;
