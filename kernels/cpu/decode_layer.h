@@ -206,23 +206,23 @@ static inline void attend_group(const float *q0, const Layer *L, const Step *S, 
         mx[h] = -INFINITY, sum[h] = 0.0f;
         for (int64_t i = 0; i < nv; i++) acc[h][i] = VZERO();
     }
-    int64_t rows[VL]; /* each key's offset into its plane */
-    const int64_t row_bytes = d * (int64_t)sizeof(WKV);
+    /* Each key's offset into its plane, this chunk's and the next's: key t is row t % bs of block
+     * table[t / bs], walked a key at a time. The next chunk's keys and values are prefetched into L1
+     * a key at a time beside this chunk's (the cache's blocks are scattered pages, where the hardware
+     * prefetcher stops at each block's end). */
+    int64_t rows_a[VL], rows_b[VL], *rows = rows_a, *next = rows_b;
+    int64_t blk = t0 / bs, off = t0 % bs;
+    const int64_t lines = (d * (int64_t)sizeof(WKV) + 63) / 64;
+    int64_t n = len - t0 < VL ? len - t0 : VL;
+    for (int64_t j = 0; j < n; j++) {
+        rows[j] = (table[blk] * bs + off) * d;
+        if (++off == bs) off = 0, blk++;
+    }
     for (int64_t c0 = t0; c0 < len; c0 += VL) {
-        int64_t n = len - c0 < VL ? len - c0 : VL;
-        for (int64_t j = 0; j < n; j++) {
-            int64_t t = c0 + j;
-            rows[j] = (table[t / bs] * bs + t % bs) * d;
-        }
-        /* the next chunk's keys and values into L1 while this one computes: the cache's blocks are
-         * scattered pages, where the hardware prefetcher stops at each block's end */
-        for (int64_t t = c0 + VL, end = len < c0 + 2 * VL ? len : c0 + 2 * VL; t < end; t++) {
-            const char *key = (const char *)(kbase + (table[t / bs] * bs + t % bs) * d);
-            const char *value = (const char *)(vbase + (table[t / bs] * bs + t % bs) * d);
-            for (int64_t b = 0; b < row_bytes; b += 64) {
-                _mm_prefetch(key + b, _MM_HINT_T0);
-                _mm_prefetch(value + b, _MM_HINT_T0);
-            }
+        const int64_t after = c0 + n, n_next = len - after < VL ? len - after : VL;
+        for (int64_t j = 0; j < n_next; j++) {
+            next[j] = (table[blk] * bs + off) * d;
+            if (++off == bs) off = 0, blk++;
         }
         for (int64_t h = 0; h < group; h++) {
             const float *q = q0 + h * d;
@@ -230,6 +230,9 @@ static inline void attend_group(const float *q0, const Layer *L, const Step *S, 
             for (int64_t j = 0; j < VL; j++) dots[j] = VZERO();
             for (int64_t j = 0; j < n; j++) {
                 const WKV *key = kbase + rows[j];
+                if (h == 0 && j < n_next)
+                    for (int64_t l = 0; l < lines; l++)
+                        _mm_prefetch((const char *)(kbase + next[j]) + 64 * l, _MM_HINT_T0);
                 vf a = VZERO();
                 for (int64_t i = 0; i < nv; i++) a = VFMA(VLOADF(q + i * VL), VLOADKV(key + i * VL), a);
                 dots[j] = a;
@@ -252,11 +255,16 @@ static inline void attend_group(const float *q0, const Layer *L, const Step *S, 
         }
         for (int64_t j = 0; j < n; j++) {
             const WKV *value = vbase + rows[j];
+            if (j < n_next)
+                for (int64_t l = 0; l < lines; l++)
+                    _mm_prefetch((const char *)(vbase + next[j]) + 64 * l, _MM_HINT_T0);
             for (int64_t i = 0; i < nv; i++) {
                 vf v = VLOADKV(value + i * VL);
                 for (int64_t h = 0; h < group; h++) acc[h][i] = VFMA(VSET1(p[h][j]), v, acc[h][i]);
             }
         }
+        int64_t *swap = rows;
+        rows = next, next = swap, n = n_next;
     }
     for (int64_t h = 0; h < group; h++) {
         vf inv = VSET1(1.0f / sum[h]);
