@@ -308,13 +308,13 @@ void DECODE(layer)(const Layer *L, const Step *S) {
         }
     }
     if (D % VL == 0 && group <= MAX_GROUP) {
-#pragma omp parallel for num_threads(nt) schedule(static)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
         for (int64_t task = 0; task < M * hkv; task++) {
             int64_t m = task / hkv, g = task % hkv;
             attend_group(qkv + m * qkv_out + g * group * D, L, S, m, g, group, attn + m * attn_width + g * group * D);
         }
     } else {
-#pragma omp parallel for num_threads(nt) schedule(static)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
         for (int64_t task = 0; task < M * hq; task++) {
             int64_t m = task / hq, h = task % hq;
             attend_one(qkv + m * qkv_out + h * D, L, S, m, h / group, attn + m * attn_width + h * D);
