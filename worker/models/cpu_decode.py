@@ -42,11 +42,10 @@ from worker.models.quant import QuantLinear, is_quantized, quant_isa
 
 log = logging.getLogger(__name__)
 
-# Rows of one fused call. AVX2: 32, the linear kernel's own MAX_ROWS (cpu_linear.py; it was 16 until
-# its tile was unrolled, and the fused layer already won at 24 and 32 rows as a whole: 110 vs 141 ms,
-# 129 vs 146, TIERSERVE_CPU_ISA=avx2 on the 2-core EPYC, alternated 3x). AVX-512 float32: 128, where
-# the linear's 8-row tiles over packed panels run at ~490 GFLOPS (MKL's sgemm ~160 on the same EPYC).
-MAX_ROWS = {"avx512": 128, "avx2": 32, "avx512_bf16": 32}
+# Rows of one fused call. float32: 128, where the linear's tiles over packed panels run near the FMA
+# peak (AVX-512 8-row tiles ~490 GFLOPS, AVX2 6-row tiles ~230; MKL's sgemm ~160 on the same 2-core
+# Zen 5 EPYC).
+MAX_ROWS = {"avx512": 128, "avx2": 128, "avx512_bf16": 32}
 # Block-quantized linears: VNNI's 512-bit tile (qlinear.c's tile512) runs SmolLM2's linears at 32
 # rows in 18 ms, 128 rows in 55 ms (~490 GFLOPS) on the 2-core EPYC (Zen 5); a 10 x 200-token
 # prefill step took 1.12 s in slices of 64 rows, ~1.0 in slices of 128 (256 and 512: no better).
@@ -56,9 +55,11 @@ QUANT_MAX_ROWS = {"avx512_vnni": 128, "avx2": 32}
 # runs a row at a time; the torch path's SDPA tiles a long prompt's keys). Measured on the 2-core
 # EPYC (Zen 5), a 2,000-token prefill step, fused vs torch: float32 AVX-512 10 x 200 tokens 1.75 vs
 # 3.17 s, 1 x 2,000 3.51 vs 3.98 s; quantized VNNI 10 x 200 1.61 vs 2.40 s; quantized AVX2 2.82 vs
-# 3.40 s. float32 AVX2 lost there (2.87 vs 2.58 s: MKL's sgemm is an AVX2 kernel, level with ours),
-# so it keeps the torch path past max_rows.
-SLICED_MEAN_CONTEXT = {"avx512": 1024}
+# 3.40 s. float32 AVX2 lost there while its linears were row-major tiles (2.87 vs 2.58 s: MKL's sgemm
+# is an AVX2 kernel, level with them); over packed panels, in slices of 128, the in-process 32-request
+# burst (TIERSERVE_CPU_ISA=avx2, same EPYC) ran 323-325 tok/s where the torch path past 32 rows ran
+# 284-303, its prefill steps 6.1 s where they took 8.7.
+SLICED_MEAN_CONTEXT = {"avx512": 1024, "avx2": 1024}
 QUANT_SLICED_MEAN_CONTEXT = {"avx512_vnni": 1024, "avx2": 1024}
 
 
