@@ -27,14 +27,29 @@ ISAS = ("avx512", "avx2")  # the float32 ones
 PANEL = 48  # linear_f32.c's PANEL (checked against the library when it loads)
 
 
+def packed_shape(weight: torch.Tensor) -> tuple[int, int, int]:
+    """The shape ``pack_weight`` gives an ``[N, K]`` weight: ``(ceil(N / PANEL), K, PANEL)``."""
+    num_out, num_in = weight.shape
+    return -(-num_out // PANEL), num_in, PANEL
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A float32 ``[N, K]`` weight as ``linear_f32.c`` reads it: ``[ceil(N / PANEL), K, PANEL]``,
     ``packed[p, k, j] = weight[p * PANEL + j, k]``, the rows past N zero."""
+    packed = weight.new_empty(packed_shape(weight))
+    pack_into(weight, packed)
+    return packed
+
+
+def pack_into(weight: torch.Tensor, out: torch.Tensor) -> None:
+    """``pack_weight`` written into ``out`` (contiguous, ``packed_shape(weight)``): no copy besides."""
     num_out, num_in = weight.shape
-    panels = -(-num_out // PANEL)
-    padded = weight.new_zeros(panels * PANEL, num_in)
-    padded[:num_out] = weight
-    return padded.view(panels, PANEL, num_in).transpose(1, 2).contiguous()
+    full = num_out // PANEL
+    if full:
+        out[:full].copy_(weight[: full * PANEL].view(full, PANEL, num_in).transpose(1, 2))
+    if num_out > full * PANEL:
+        out[full].zero_()
+        out[full, :, : num_out - full * PANEL].copy_(weight[full * PANEL :].T)
 
 
 def unpack_weight(packed: torch.Tensor, num_out: int) -> torch.Tensor:

@@ -16,10 +16,13 @@ from kernels.cpu.linear import (
     CpuLinearKernel,
     linear_reference,
     load_linear_kernel,
+    pack_into,
     pack_weight,
+    packed_shape,
     unpack_weight,
 )
 from worker.cpu_isa import IsaLevel, probe
+from worker.models.weight_arena import WeightArena
 
 NEEDS = {"avx512": IsaLevel.AVX512, "avx2": IsaLevel.AVX2}
 
@@ -77,6 +80,9 @@ def test_packing_round_trips(n: int) -> None:
     assert torch.equal(unpack_weight(packed, n), weight)
     assert torch.equal(packed[(n - 1) // PANEL, :, (n - 1) % PANEL], weight[n - 1])
     assert not packed.transpose(1, 2).reshape(-1, 37)[n:].any()  # the last panel's rows past n are zero
+    # packed in place into an arena (no packed copy first), over memory that was not zero
+    arena = WeightArena([weight, weight], packed_shape, lambda w, out: (out.fill_(7.0), pack_into(w, out)))
+    assert all(torch.equal(t, packed) for t in arena.tensors)
 
 
 @pytest.fixture(scope="module")

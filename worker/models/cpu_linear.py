@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu.build import KernelBuildError
-from kernels.cpu.linear import CpuLinearKernel, load_linear_kernel, pack_weight
+from kernels.cpu.linear import CpuLinearKernel, load_linear_kernel, pack_into, packed_shape
 from worker.cpu_isa import CpuCaps, IsaLevel
 from worker.models.llama import LlamaForCausalLM
 from worker.models.weight_arena import WeightArena
@@ -128,9 +128,8 @@ def use_decode_linears(model: LlamaForCausalLM, caps: CpuCaps | None, cache_dir:
     streamed: list[torch.Tensor] = [child.weight.detach() for _, _, child in linears]
     if tied:
         streamed.append(model.embed_tokens.weight.detach())
-    if kernel.packed:  # packed, then copied into the arena; the row-major ones go with the swapped modules
-        streamed = [pack_weight(w) for w in streamed]
-    arena = WeightArena(streamed)
+    # float32: packed straight into the arena (the row-major weights go with the swapped modules)
+    arena = WeightArena(streamed, packed_shape, pack_into) if kernel.packed else WeightArena(streamed)
     del streamed
     for (parent, name, child), arena_weight in zip(linears, arena.tensors, strict=False):
         setattr(parent, name, _swapped(arena_weight, child.out_features, child.bias, kernel))

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -24,21 +26,34 @@ ALIGN = 64  # bytes: every tensor starts on a cache line
 
 
 class WeightArena:
-    """Copies tensors into one mapping; the tensors it returns keep it alive."""
+    """Copies tensors into one mapping; the tensors it returns keep it alive. With ``shape`` and
+    ``write``, each tensor goes in another layout (``shape(t)`` its shape there, ``write(t, out)``
+    fills it; e.g. the float32 kernel's panels), written in place: no second copy of any weight."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        shape: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
+        write: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> None:
+        shapes = [tuple(t.shape) if shape is None else shape(t) for t in tensors]
+        sizes = [math.prod(s) * t.element_size() for s, t in zip(shapes, tensors, strict=True)]
         offsets, total = [], 0
-        for t in tensors:
+        for size in sizes:
             offsets.append(total)
-            total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+            total += -(-size // ALIGN) * ALIGN
         self.num_bytes = total
         self._map = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.huge_pages = _advise_huge(self._map)
         flat = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.tensors = [
-            flat[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
-            for off, t in zip(offsets, tensors, strict=True)
-        ]
+        self.tensors = []
+        for t, s, off, size in zip(tensors, shapes, offsets, sizes, strict=True):
+            out = flat[off : off + size].view(t.dtype).view(s)
+            if write is None:
+                out.copy_(t)
+            else:
+                write(t, out)
+            self.tensors.append(out)
 
 
 def _advise_huge(region: mmap.mmap) -> bool:
