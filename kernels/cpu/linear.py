@@ -27,10 +27,15 @@ ISAS = ("avx512", "avx2")  # the float32 ones
 PANEL = 48  # linear_f32.c's PANEL (checked against the library when it loads)
 
 
+def num_panels(num_out: int) -> int:
+    """How many panels hold ``num_out`` weight rows: ``ceil(num_out / PANEL)``."""
+    return -(-num_out // PANEL)
+
+
 def packed_shape(weight: torch.Tensor) -> tuple[int, int, int]:
-    """The shape ``pack_weight`` gives an ``[N, K]`` weight: ``(ceil(N / PANEL), K, PANEL)``."""
+    """The shape ``pack_weight`` gives an ``[N, K]`` weight: ``(num_panels(N), K, PANEL)``."""
     num_out, num_in = weight.shape
-    return -(-num_out // PANEL), num_in, PANEL
+    return num_panels(num_out), num_in, PANEL
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -50,12 +55,6 @@ def pack_into(weight: torch.Tensor, out: torch.Tensor) -> None:
     if num_out > full * PANEL:
         out[full].zero_()
         out[full, :, : num_out - full * PANEL].copy_(weight[full * PANEL :].T)
-
-
-def unpack_weight(packed: torch.Tensor, num_out: int) -> torch.Tensor:
-    """``pack_weight``'s inverse: the ``[num_out, K]`` weight (a copy)."""
-    panels, num_in, panel = packed.shape
-    return packed.transpose(1, 2).reshape(panels * panel, num_in)[:num_out].clone()
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -116,7 +115,7 @@ class CpuLinearKernel:
         if not self.packed:
             raise ValueError(f"the {self.dtype} kernel reads its weight unpacked")
         _check(packed, "packed weight", 3, self.dtype)
-        panels = -(-num_out // PANEL)
+        panels = num_panels(num_out)
         if packed.shape[2] != PANEL or packed.shape[0] != panels:
             raise ValueError(f"packed weight: expected [{panels}, K, {PANEL}], got {tuple(packed.shape)}")
         return self._bound(packed, num_out, bias)

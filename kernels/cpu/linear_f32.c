@@ -109,15 +109,19 @@ static void tile_m_avx512(const float *x, const float *panel, float *y, const fl
     }
 }
 
+/* One ISA's pass over every panel for at most ROW_BLOCK rows of x. */
+typedef void (*row_block_fn)(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
+                             int64_t K, int num_threads);
+
+static void over_row_blocks(row_block_fn block, const float *x, const float *packed, const float *bias, float *y,
+                            int64_t M, int64_t N, int64_t K, int num_threads) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK)
+        block(x + m0 * K, packed, bias, y + m0 * N, M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, N, K, num_threads);
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-void linear_f32_avx512(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
-                       int64_t K, int num_threads) {
-    if (M > ROW_BLOCK) {
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK)
-            linear_f32_avx512(x + m0 * K, packed, bias, y + m0 * N, M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, N, K,
-                              num_threads);
-        return;
-    }
+static void block_avx512(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
+                         int64_t K, int num_threads) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, num_tiles = (M + MR_512 - 1) / MR_512;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < num_panels; p++) {
@@ -200,14 +204,8 @@ static void store_rows_avx2(const float *sums, int64_t out_stride, float *y, int
 }
 
 __attribute__((target("avx2,fma")))
-void linear_f32_avx2(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
-                     int64_t K, int num_threads) {
-    if (M > ROW_BLOCK) {
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK)
-            linear_f32_avx2(x + m0 * K, packed, bias, y + m0 * N, M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, N, K,
-                            num_threads);
-        return;
-    }
+static void block_avx2(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
+                       int64_t K, int num_threads) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, groups = M / MR_256, singles = M % MR_256;
     const int64_t num_tiles = 3 * groups + singles; /* the prefetch's shares */
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -232,4 +230,14 @@ void linear_f32_avx2(const float *x, const float *packed, const float *bias, flo
             store_rows_avx2(row, PANEL, y + m * N + n0, N, b, 1, ncols);
         }
     }
+}
+
+void linear_f32_avx512(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
+                       int64_t K, int num_threads) {
+    over_row_blocks(block_avx512, x, packed, bias, y, M, N, K, num_threads);
+}
+
+void linear_f32_avx2(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
+                     int64_t K, int num_threads) {
+    over_row_blocks(block_avx2, x, packed, bias, y, M, N, K, num_threads);
 }

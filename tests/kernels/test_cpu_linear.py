@@ -16,10 +16,10 @@ from kernels.cpu.linear import (
     CpuLinearKernel,
     linear_reference,
     load_linear_kernel,
+    num_panels,
     pack_into,
     pack_weight,
     packed_shape,
-    unpack_weight,
 )
 from worker.cpu_isa import IsaLevel, probe
 from worker.models.weight_arena import WeightArena
@@ -72,11 +72,17 @@ def test_both_isas_give_the_same_bits(rows: int, tmp_path_factory: pytest.TempPa
     assert torch.equal(wide.linear(x, weight, bias), narrow.linear(x, weight, bias))
 
 
+def unpack_weight(packed: torch.Tensor, num_out: int) -> torch.Tensor:
+    """``pack_weight``'s inverse: the ``[num_out, K]`` weight (a copy)."""
+    panels, num_in, panel = packed.shape
+    return packed.transpose(1, 2).reshape(panels * panel, num_in)[:num_out].clone()
+
+
 @pytest.mark.parametrize("n", [1, PANEL - 1, PANEL, PANEL + 1, 3 * PANEL + 5])
 def test_packing_round_trips(n: int) -> None:
     weight = torch.randn(n, 37)
     packed = pack_weight(weight)
-    assert packed.shape == (-(-n // PANEL), 37, PANEL) and packed.is_contiguous()
+    assert packed.shape == (num_panels(n), 37, PANEL) and packed.is_contiguous()
     assert torch.equal(unpack_weight(packed, n), weight)
     assert torch.equal(packed[(n - 1) // PANEL, :, (n - 1) % PANEL], weight[n - 1])
     assert not packed.transpose(1, 2).reshape(-1, 37)[n:].any()  # the last panel's rows past n are zero
