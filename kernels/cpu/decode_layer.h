@@ -189,12 +189,15 @@ static inline void attend_one(const float *q, const Layer *L, const Step *S, int
     for (int64_t i = 0; i < d; i++) out[i] = acc[i] * inv;
 }
 
-/* The G query heads of one row that share kv head g, over its keys [t0, len), when head_dim is a
+/* The G query heads of one row that share kv head g, over its keys [t0, len), when head_dim (d) is a
  * multiple of VL: each chunk of VL keys is read once for all G heads (scores, then values), an online
- * softmax per head. attend_one is the same sum for any head_dim, a head at a time. */
-static inline void attend_group(const float *q0, const Layer *L, const Step *S, int64_t m, int64_t g,
-                                int64_t group, float *out0) {
-    const int64_t d = L->head_dim, bs = L->block_size, nv = d / VL;
+ * softmax per head. attend_one is the same sum for any head_dim, a head at a time. attend_group calls
+ * it with `group` and `d` as constants where it can. */
+static inline __attribute__((always_inline)) void attend_group_body(const float *q0, const Layer *L,
+                                                                    const Step *S, int64_t m, int64_t g,
+                                                                    const int64_t group, const int64_t d,
+                                                                    float *out0) {
+    const int64_t bs = L->block_size, nv = d / VL;
     const int64_t len = S->seq_lens[m];
     const int64_t t0 = S->sliding_window > 0 && len > S->sliding_window ? len - S->sliding_window : 0;
     const int64_t plane = L->num_blocks * bs * d;
@@ -270,6 +273,25 @@ static inline void attend_group(const float *q0, const Layer *L, const Step *S, 
         vf inv = VSET1(1.0f / sum[h]);
         for (int64_t i = 0; i < nv; i++) VSTOREF(out0 + h * d + i * VL, VMUL(acc[h][i], inv));
     }
+}
+
+/* attend_group_body with the (group, head_dim) of common models as constants (SmolLM2 135M / 360M:
+ * 3, 64; 1.7B: 1, 64; Llama 3.2 1B: 4, 64; Llama 3 8B, Mistral 7B: 4, 128): the head_dim loops unroll
+ * and the accumulators stay in registers, where indexed at run time they lived on the stack. The same
+ * operations in the same order either way (the same bits): only the speed differs. */
+static void attend_group(const float *q0, const Layer *L, const Step *S, int64_t m, int64_t g, int64_t group,
+                         float *out0) {
+    const int64_t d = L->head_dim;
+    if (group == 3 && d == 64)
+        attend_group_body(q0, L, S, m, g, 3, 64, out0);
+    else if (group == 1 && d == 64)
+        attend_group_body(q0, L, S, m, g, 1, 64, out0);
+    else if (group == 4 && d == 64)
+        attend_group_body(q0, L, S, m, g, 4, 64, out0);
+    else if (group == 4 && d == 128)
+        attend_group_body(q0, L, S, m, g, 4, 128, out0);
+    else
+        attend_group_body(q0, L, S, m, g, group, d, out0);
 }
 
 void DECODE(layer)(const Layer *L, const Step *S) {

@@ -69,6 +69,14 @@ MODELS: dict[str, Callable[[], transformers.PreTrainedConfig]] = {
     ),
     # head_dim 12: no multiple of a vector (the fused CPU layer's per-head attention path)
     "llama-head-dim-12": lambda: transformers.LlamaConfig(**{**TINY, "hidden_size": 48}),
+    # SmolLM2-135M's attention shape, 3 query heads of 64 a KV head, and Llama 3.2 1B's, 4 of 64 (the
+    # fused CPU layer's attention compiled for them), the second with a sliding window
+    "llama-group3-dim64": lambda: transformers.LlamaConfig(
+        **{**TINY, "hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}
+    ),
+    "mistral-group4-dim64-window": lambda: transformers.MistralConfig(
+        **{**TINY, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1}, sliding_window=8
+    ),
 }
 MODEL_CLASSES = {
     "LlamaConfig": transformers.LlamaForCausalLM,
