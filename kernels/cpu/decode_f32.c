@@ -33,8 +33,10 @@
 
 #if defined(__AVX512F__)
 #define LINEAR(x, w, b, y, M, N, K, nt) linear_f32_avx512(x, w, b, y, M, N, K, nt)
+#define LINEAR_THEN(x, w, b, y, M, N, K, nt, wn, Nn, Kn) linear_f32_avx512_then(x, w, b, y, M, N, K, nt, wn, Nn, Kn)
 #elif defined(__AVX2__)
 #define LINEAR(x, w, b, y, M, N, K, nt) linear_f32_avx2(x, w, b, y, M, N, K, nt)
+#define LINEAR_THEN(x, w, b, y, M, N, K, nt, wn, Nn, Kn) linear_f32_avx2_then(x, w, b, y, M, N, K, nt, wn, Nn, Kn)
 #else
 #error "build with -mavx2 -mfma or the AVX-512 flags (kernels/cpu/build.py)"
 #endif

@@ -19,6 +19,9 @@
 #ifndef WLIN
 #define WLIN W /* the linears' weights; a quantized build has them as block structs (decode_q.c) */
 #endif
+#ifndef LINEAR_THEN /* LINEAR, told the weight [Nn, Kn] of the linear after it (to prefetch its start) */
+#define LINEAR_THEN(x, w, b, y, M, N, K, nt, wn, Nn, Kn) LINEAR(x, w, b, y, M, N, K, nt)
+#endif
 #ifndef WKV
 #define WKV W
 #define LOADKV(v) LOADW(v)
@@ -317,7 +320,7 @@ void DECODE(layer)(const Layer *L, const Step *S) {
         }
         rms_norm_row(r, L->ln1, xn + m * H, H, L->eps);
     }
-    LINEAR(xn, L->w_qkv, L->b_qkv, qkv, M, qkv_out, H, nt);
+    LINEAR_THEN(xn, L->w_qkv, L->b_qkv, qkv, M, qkv_out, H, nt, L->w_o, H, attn_width);
 
     const int64_t plane = L->num_blocks * L->block_size * D;
 #pragma omp parallel for num_threads(nt) schedule(static) if (M >= ROWS_PARALLEL)
@@ -343,7 +346,8 @@ void DECODE(layer)(const Layer *L, const Step *S) {
         }
     }
 
-    LINEAR(attn, L->w_o, L->b_o, xn, M, H, attn_width, nt); /* xn is free again: the projection */
+    /* xn is free again: the projection */
+    LINEAR_THEN(attn, L->w_o, L->b_o, xn, M, H, attn_width, nt, L->w_gate_up, 2 * I, H);
 #pragma omp parallel for num_threads(nt) schedule(static) if (M >= ROWS_PARALLEL)
     for (int64_t m = 0; m < M; m++) {
         float *r = residual + m * H, *o = xn + m * H;
@@ -351,7 +355,7 @@ void DECODE(layer)(const Layer *L, const Step *S) {
         for (int64_t i = 0; i < H; i++) r[i] = o[i] + r[i];
         rms_norm_row(r, L->ln2, o, H, L->eps);
     }
-    LINEAR(xn, L->w_gate_up, L->b_gate_up, gate_up, M, 2 * I, H, nt);
+    LINEAR_THEN(xn, L->w_gate_up, L->b_gate_up, gate_up, M, 2 * I, H, nt, L->w_down, H, I);
 #pragma omp parallel for num_threads(nt) schedule(static) if (M >= ROWS_PARALLEL)
     for (int64_t m = 0; m < M; m++) {
         const float *g = gate_up + m * 2 * I, *u = g + I;

@@ -12,17 +12,21 @@
  *     AVX2:    MR_256 (6) x rows by 16 outputs (a panel in three passes), 12 ymm accumulators;
  *              fewer rows: one row by the whole panel, 6 accumulators
  *
- * One OpenMP loop over panels (libgomp is the one torch loaded, same soname: torch's thread pool),
- * each thread's panels contiguous in memory; while a panel's tiles run, the next panel is prefetched
- * into L2 a share per tile (the hardware prefetcher alone left the first tile of each panel waiting
- * on memory: 16 rows 0.91 -> 0.86 of the row-major kernel's time, 8 rows 0.97 -> 0.91), but not for
- * one row, a single stream the hardware follows (0.92 without, 1.14 with; medians of 30 alternations). SmolLM2's 120 layer linears, 424 MB, cold, best of 5 (2-core Zen 5 EPYC, 474 GFLOPS FMA
- * peak): AVX-512 at 32 rows 15.3 ms (445 GFLOPS) where the 4 x 4 tile over row-major w took 23.2, at
+ * One OpenMP region over panels (libgomp is the one torch loaded, same soname: torch's thread pool),
+ * each thread a contiguous share of them (thread_panels). While a panel's tiles run, the next panel is
+ * prefetched into L2 a share per tile (the hardware prefetcher alone left the first tile of each panel
+ * waiting on memory: 16 rows 0.91 -> 0.86 of the row-major kernel's time, 8 rows 0.97 -> 0.91), but
+ * not for one row, a single stream the hardware follows (0.92 without, 1.14 with; medians of 30
+ * alternations); a thread's last panel prefetches its first of the call after (`_then`: the fused
+ * layer's next linear; the next block of rows): 32-row decode steps 0.976 / 0.979 on AVX2 (1.000 on
+ * AVX-512), 200-token prefill 0.981. SmolLM2's 120 layer linears, 424 MB, cold, best of 5 (2-core
+ * Zen 5 EPYC, 474 GFLOPS FMA peak): AVX-512 at 32 rows 15.3 ms (445 GFLOPS) where the 4 x 4 tile over row-major w took 23.2, at
  * 128 rows 55 ms (493) where it took 67; AVX2 (237 peak) level with its 4 x 3 tile (~220 from 64
  * rows) and ahead of MKL's sgemm (116-172). One function per ISA (target attributes): the build
  * needs no -m flags, one .so serves every CPU, the caller picks by the CPU probe.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 
 #define PANEL 48     /* outputs a panel: 3 zmm, 6 ymm; SmolLM2's 192, 576, 960, 1536, 3072, 49152 divide */
@@ -53,11 +57,11 @@ struct panel_prefetch {
     int64_t per_chunk; /* lines a K_CHUNK of k steps */
 };
 
-static inline struct panel_prefetch panel_prefetch(const float *next_panel, int64_t K, int64_t tile,
+static inline struct panel_prefetch panel_prefetch(const float *next_panel, int64_t next_K, int64_t K, int64_t tile,
                                                    int64_t num_tiles) {
-    int64_t lines = (K * PANEL * (int64_t)sizeof(float) + 63) / 64, share = (lines + num_tiles - 1) / num_tiles;
+    int64_t lines = (next_K * PANEL * (int64_t)sizeof(float) + 63) / 64, share = (lines + num_tiles - 1) / num_tiles;
     const char *base = (const char *)next_panel;
-    int64_t chunks = (K + K_CHUNK - 1) / K_CHUNK;
+    int64_t chunks = (K + K_CHUNK - 1) / K_CHUNK; /* this tile's bursts */
     struct panel_prefetch pf = {base + tile * share * 64, base + (tile + 1) * share * 64,
                                 (share + chunks - 1) / chunks};
     return pf;
@@ -65,6 +69,40 @@ static inline struct panel_prefetch panel_prefetch(const float *next_panel, int6
 
 static inline void prefetch_burst(struct panel_prefetch *pf) {
     for (int64_t i = 0; i < pf->per_chunk && pf->at < pf->end; i++, pf->at += 64) _mm_prefetch(pf->at, _MM_HINT_T1);
+}
+
+/* The weight of the call that follows this one (a fused layer's next linear; the same weight for the
+ * next block of rows), or packed 0: a thread's last panel prefetches its first panel of that call, which
+ * would otherwise start cold (at 32 rows a linear's first panels waited on memory: the time a row
+ * 15-27% over 128 rows' with the weights cold, level with them hot). */
+struct then_weight {
+    const float *packed;
+    int64_t N, K;
+};
+
+/* A thread's panels of num_panels, [first, end): contiguous, as even as they go (so a thread's first
+ * panel of the call that follows is known before that call starts). */
+static inline void thread_panels(int64_t num_panels, int thread, int threads, int64_t *first, int64_t *end) {
+    int64_t q = num_panels / threads, r = num_panels % threads;
+    *first = thread * q + (thread < r ? thread : r);
+    *end = *first + q + (thread < r);
+}
+
+/* The panel a thread prefetches while it computes panel p of [.., end): p + 1, or its first of `then`
+ * (its K in *next_K); 0 for one row (a single stream the hardware prefetcher follows). */
+static inline const float *next_panel(const float *packed, int64_t p, int64_t end, int64_t M, int64_t K,
+                                      struct then_weight then, int thread, int threads, int64_t *next_K) {
+    if (M <= 1) return 0;
+    if (p + 1 < end) {
+        *next_K = K;
+        return packed + (p + 1) * K * PANEL;
+    }
+    if (!then.packed) return 0;
+    int64_t first, stop;
+    thread_panels((then.N + PANEL - 1) / PANEL, thread, threads, &first, &stop);
+    if (first >= stop) return 0;
+    *next_K = then.K;
+    return then.packed + first * then.K * PANEL;
 }
 
 /* mr (<= MR_512, a constant at every call: tile_m_avx512's switch) rows by the panel's 48 outputs,
@@ -111,28 +149,37 @@ static void tile_m_avx512(const float *x, const float *panel, float *y, const fl
 
 /* One ISA's pass over every panel for at most ROW_BLOCK rows of x. */
 typedef void (*row_block_fn)(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
-                             int64_t K, int num_threads);
+                             int64_t K, int num_threads, struct then_weight then);
 
 static void over_row_blocks(row_block_fn block, const float *x, const float *packed, const float *bias, float *y,
-                            int64_t M, int64_t N, int64_t K, int num_threads) {
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK)
-        block(x + m0 * K, packed, bias, y + m0 * N, M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, N, K, num_threads);
+                            int64_t M, int64_t N, int64_t K, int num_threads, struct then_weight then) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        const struct then_weight after = m0 + ROW_BLOCK < M ? (struct then_weight){packed, N, K} : then;
+        block(x + m0 * K, packed, bias, y + m0 * N, M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, N, K, num_threads,
+              after);
+    }
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 static void block_avx512(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
-                         int64_t K, int num_threads) {
+                         int64_t K, int num_threads, struct then_weight then) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, num_tiles = (M + MR_512 - 1) / MR_512;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < num_panels; p++) {
-        const float *panel = packed + p * K * PANEL;
-        const int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
-        for (int64_t t = 0; t < num_tiles; t++) {
-            const int64_t m0 = t * MR_512;
-            tile_m_avx512(x + m0 * K, panel, y + m0 * N + n0, bias ? bias + n0 : 0,
-                          M - m0 < MR_512 ? M - m0 : MR_512, N, K, ncols,
-                          p + 1 < num_panels && M > 1 ? panel_prefetch(panel + K * PANEL, K, t, num_tiles)
-                                                      : (struct panel_prefetch){0, 0, 0});
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+        int64_t first, end;
+        thread_panels(num_panels, thread, threads, &first, &end);
+        for (int64_t p = first; p < end; p++) {
+            const float *panel = packed + p * K * PANEL;
+            const int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
+            int64_t next_K = K;
+            const float *next = next_panel(packed, p, end, M, K, then, thread, threads, &next_K);
+            for (int64_t t = 0; t < num_tiles; t++) {
+                const int64_t m0 = t * MR_512;
+                tile_m_avx512(x + m0 * K, panel, y + m0 * N + n0, bias ? bias + n0 : 0,
+                              M - m0 < MR_512 ? M - m0 : MR_512, N, K, ncols,
+                              next ? panel_prefetch(next, next_K, K, t, num_tiles) : (struct panel_prefetch){0, 0, 0});
+            }
         }
     }
 }
@@ -205,39 +252,63 @@ static void store_rows_avx2(const float *sums, int64_t out_stride, float *y, int
 
 __attribute__((target("avx2,fma")))
 static void block_avx2(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
-                       int64_t K, int num_threads) {
+                       int64_t K, int num_threads, struct then_weight then) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, groups = M / MR_256, singles = M % MR_256;
     const int64_t num_tiles = 3 * groups + singles; /* the prefetch's shares */
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < num_panels; p++) {
-        const float *panel = packed + p * K * PANEL, *next = p + 1 < num_panels && M > 1 ? panel + K * PANEL : 0;
-        const int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
-        const float *b = bias ? bias + n0 : 0;
-        int64_t tile = 0;
-        float out[MR_256][16], row[PANEL];
-        for (int64_t c = 0; c < 3 && 16 * c < ncols; c++) {
-            const int64_t width = ncols - 16 * c < 16 ? ncols - 16 * c : 16;
-            for (int64_t g = 0; g < groups; g++, tile++) {
-                const float *xg = x + g * MR_256 * K;
-                struct panel_prefetch pf = next ? panel_prefetch(next, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
-                tile_avx2(xg, xg + K, xg + 2 * K, xg + 3 * K, xg + 4 * K, xg + 5 * K, panel + 16 * c, K, out, pf);
-                store_rows_avx2(&out[0][0], 16, y + g * MR_256 * N + n0 + 16 * c, N, b ? b + 16 * c : 0, MR_256, width);
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+        int64_t first, end;
+        thread_panels(num_panels, thread, threads, &first, &end);
+        for (int64_t p = first; p < end; p++) {
+            const float *panel = packed + p * K * PANEL;
+            int64_t next_K = K;
+            const float *next = next_panel(packed, p, end, M, K, then, thread, threads, &next_K);
+            const int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
+            const float *b = bias ? bias + n0 : 0;
+            int64_t tile = 0;
+            float out[MR_256][16], row[PANEL];
+            for (int64_t c = 0; c < 3 && 16 * c < ncols; c++) {
+                const int64_t width = ncols - 16 * c < 16 ? ncols - 16 * c : 16;
+                for (int64_t g = 0; g < groups; g++, tile++) {
+                    const float *xg = x + g * MR_256 * K;
+                    struct panel_prefetch pf =
+                        next ? panel_prefetch(next, next_K, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
+                    tile_avx2(xg, xg + K, xg + 2 * K, xg + 3 * K, xg + 4 * K, xg + 5 * K, panel + 16 * c, K, out, pf);
+                    store_rows_avx2(&out[0][0], 16, y + g * MR_256 * N + n0 + 16 * c, N, b ? b + 16 * c : 0, MR_256,
+                                    width);
+                }
             }
-        }
-        for (int64_t m = groups * MR_256; m < M; m++, tile++) {
-            struct panel_prefetch pf = next ? panel_prefetch(next, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
-            row_avx2(x + m * K, panel, K, row, pf);
-            store_rows_avx2(row, PANEL, y + m * N + n0, N, b, 1, ncols);
+            for (int64_t m = groups * MR_256; m < M; m++, tile++) {
+                struct panel_prefetch pf =
+                    next ? panel_prefetch(next, next_K, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
+                row_avx2(x + m * K, panel, K, row, pf);
+                store_rows_avx2(row, PANEL, y + m * N + n0, N, b, 1, ncols);
+            }
         }
     }
 }
 
 void linear_f32_avx512(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
                        int64_t K, int num_threads) {
-    over_row_blocks(block_avx512, x, packed, bias, y, M, N, K, num_threads);
+    over_row_blocks(block_avx512, x, packed, bias, y, M, N, K, num_threads, (struct then_weight){0, 0, 0});
 }
 
 void linear_f32_avx2(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
                      int64_t K, int num_threads) {
-    over_row_blocks(block_avx2, x, packed, bias, y, M, N, K, num_threads);
+    over_row_blocks(block_avx2, x, packed, bias, y, M, N, K, num_threads, (struct then_weight){0, 0, 0});
+}
+
+/* As linear_f32_<isa>, then prefetching as the call after it begins: then_packed [then_N, then_K]
+ * (the fused layer's next linear). */
+void linear_f32_avx512_then(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
+                            int64_t K, int num_threads, const float *then_packed, int64_t then_N, int64_t then_K) {
+    over_row_blocks(block_avx512, x, packed, bias, y, M, N, K, num_threads,
+                    (struct then_weight){then_packed, then_N, then_K});
+}
+
+void linear_f32_avx2_then(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
+                          int64_t K, int num_threads, const float *then_packed, int64_t then_N, int64_t then_K) {
+    over_row_blocks(block_avx2, x, packed, bias, y, M, N, K, num_threads,
+                    (struct then_weight){then_packed, then_N, then_K});
 }

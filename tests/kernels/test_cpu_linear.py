@@ -72,6 +72,25 @@ def test_both_isas_give_the_same_bits(rows: int, tmp_path_factory: pytest.TempPa
     assert torch.equal(wide.linear(x, weight, bias), narrow.linear(x, weight, bias))
 
 
+@pytest.mark.parametrize("rows", [2, 130])  # 130: two blocks of rows, the first prefetching for the second
+def test_any_thread_count_gives_the_same_bits(kernel: CpuLinearKernel, rows: int) -> None:
+    """The panels are split among the threads (six here, the last partial: uneven at 4 threads, none
+    left for two of 8); each output is summed by one thread alone, so the split moves no bit."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 64, generator=gen), torch.randn(5 * PANEL + 7, 64, generator=gen)
+    bound = kernel.bind(weight, torch.randn(5 * PANEL + 7, generator=gen))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 4, 8):
+            torch.set_num_threads(threads)
+            outs.append(bound(x))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    torch.testing.assert_close(outs[0], linear_reference(x, weight, bound.bias), rtol=1e-5, atol=1e-4)
+
+
 def unpack_weight(packed: torch.Tensor, num_out: int) -> torch.Tensor:
     """``pack_weight``'s inverse: the ``[num_out, K]`` weight (a copy)."""
     panels, num_in, panel = packed.shape
