@@ -147,40 +147,46 @@ static void tile_m_avx512(const float *x, const float *panel, float *y, const fl
     }
 }
 
-/* One ISA's pass over every panel for at most ROW_BLOCK rows of x. */
-typedef void (*row_block_fn)(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
-                             int64_t K, int num_threads, struct then_weight then);
+/* One ISA's work on panel p (at panel) for M <= ROW_BLOCK rows of x, its tiles prefetching `next`
+ * (next_K deep; 0: nothing) a share each. */
+typedef void (*panel_fn)(const float *x, const float *panel, const float *bias, float *y, int64_t M, int64_t N,
+                         int64_t K, int64_t p, const float *next, int64_t next_K);
 
-static void over_row_blocks(row_block_fn block, const float *x, const float *packed, const float *bias, float *y,
-                            int64_t M, int64_t N, int64_t K, int num_threads, struct then_weight then) {
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        const struct then_weight after = m0 + ROW_BLOCK < M ? (struct then_weight){packed, N, K} : then;
-        block(x + m0 * K, packed, bias, y + m0 * N, M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, N, K, num_threads,
-              after);
-    }
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-static void block_avx512(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
-                         int64_t K, int num_threads, struct then_weight then) {
-    const int64_t num_panels = (N + PANEL - 1) / PANEL, num_tiles = (M + MR_512 - 1) / MR_512;
+/* Every panel for M <= ROW_BLOCK rows: one OpenMP region, each thread its share (thread_panels). */
+static void over_panels(panel_fn fn, const float *x, const float *packed, const float *bias, float *y, int64_t M,
+                        int64_t N, int64_t K, int num_threads, struct then_weight then) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel num_threads(num_threads)
     {
         const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
         int64_t first, end;
         thread_panels(num_panels, thread, threads, &first, &end);
         for (int64_t p = first; p < end; p++) {
-            const float *panel = packed + p * K * PANEL;
-            const int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
             int64_t next_K = K;
             const float *next = next_panel(packed, p, end, M, K, then, thread, threads, &next_K);
-            for (int64_t t = 0; t < num_tiles; t++) {
-                const int64_t m0 = t * MR_512;
-                tile_m_avx512(x + m0 * K, panel, y + m0 * N + n0, bias ? bias + n0 : 0,
-                              M - m0 < MR_512 ? M - m0 : MR_512, N, K, ncols,
-                              next ? panel_prefetch(next, next_K, K, t, num_tiles) : (struct panel_prefetch){0, 0, 0});
-            }
+            fn(x, packed + p * K * PANEL, bias, y, M, N, K, p, next, next_K);
         }
+    }
+}
+
+static void over_row_blocks(panel_fn fn, const float *x, const float *packed, const float *bias, float *y,
+                            int64_t M, int64_t N, int64_t K, int num_threads, struct then_weight then) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        const struct then_weight after = m0 + ROW_BLOCK < M ? (struct then_weight){packed, N, K} : then;
+        over_panels(fn, x + m0 * K, packed, bias, y + m0 * N, M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, N, K,
+                    num_threads, after);
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+static void panel_avx512(const float *x, const float *panel, const float *bias, float *y, int64_t M, int64_t N,
+                         int64_t K, int64_t p, const float *next, int64_t next_K) {
+    const int64_t num_tiles = (M + MR_512 - 1) / MR_512, n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
+    for (int64_t t = 0; t < num_tiles; t++) {
+        const int64_t m0 = t * MR_512;
+        tile_m_avx512(x + m0 * K, panel, y + m0 * N + n0, bias ? bias + n0 : 0, M - m0 < MR_512 ? M - m0 : MR_512,
+                      N, K, ncols,
+                      next ? panel_prefetch(next, next_K, K, t, num_tiles) : (struct panel_prefetch){0, 0, 0});
     }
 }
 
@@ -253,64 +259,52 @@ static void store_rows_avx2(const float *sums, int64_t out_stride, float *y, int
 }
 
 __attribute__((target("avx2,fma")))
-static void block_avx2(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
-                       int64_t K, int num_threads, struct then_weight then) {
-    const int64_t num_panels = (N + PANEL - 1) / PANEL, groups = M / MR_256, singles = M % MR_256;
+static void panel_avx2(const float *x, const float *panel, const float *bias, float *y, int64_t M, int64_t N,
+                       int64_t K, int64_t p, const float *next, int64_t next_K) {
+    const int64_t groups = M / MR_256, singles = M % MR_256;
     const int64_t num_tiles = 2 * groups + singles; /* the prefetch's shares */
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
-        int64_t first, end;
-        thread_panels(num_panels, thread, threads, &first, &end);
-        for (int64_t p = first; p < end; p++) {
-            const float *panel = packed + p * K * PANEL;
-            int64_t next_K = K;
-            const float *next = next_panel(packed, p, end, M, K, then, thread, threads, &next_K);
-            const int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
-            const float *b = bias ? bias + n0 : 0;
-            int64_t tile = 0;
-            float out[MR_256][24], row[PANEL];
-            for (int64_t c = 0; c < 2 && 24 * c < ncols; c++) {
-                const int64_t width = ncols - 24 * c < 24 ? ncols - 24 * c : 24;
-                for (int64_t g = 0; g < groups; g++, tile++) {
-                    const float *xg = x + g * MR_256 * K;
-                    struct panel_prefetch pf =
-                        next ? panel_prefetch(next, next_K, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
-                    tile_avx2(xg, xg + K, xg + 2 * K, xg + 3 * K, panel + 24 * c, K, out, pf);
-                    store_rows_avx2(&out[0][0], 24, y + g * MR_256 * N + n0 + 24 * c, N, b ? b + 24 * c : 0, MR_256,
-                                    width);
-                }
-            }
-            for (int64_t m = groups * MR_256; m < M; m++, tile++) {
-                struct panel_prefetch pf =
-                    next ? panel_prefetch(next, next_K, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
-                row_avx2(x + m * K, panel, K, row, pf);
-                store_rows_avx2(row, PANEL, y + m * N + n0, N, b, 1, ncols);
-            }
+    const int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
+    const float *b = bias ? bias + n0 : 0;
+    int64_t tile = 0;
+    float out[MR_256][24], row[PANEL];
+    for (int64_t c = 0; c < 2 && 24 * c < ncols; c++) {
+        const int64_t width = ncols - 24 * c < 24 ? ncols - 24 * c : 24;
+        for (int64_t g = 0; g < groups; g++, tile++) {
+            const float *xg = x + g * MR_256 * K;
+            struct panel_prefetch pf =
+                next ? panel_prefetch(next, next_K, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
+            tile_avx2(xg, xg + K, xg + 2 * K, xg + 3 * K, panel + 24 * c, K, out, pf);
+            store_rows_avx2(&out[0][0], 24, y + g * MR_256 * N + n0 + 24 * c, N, b ? b + 24 * c : 0, MR_256, width);
         }
+    }
+    for (int64_t m = groups * MR_256; m < M; m++, tile++) {
+        struct panel_prefetch pf =
+            next ? panel_prefetch(next, next_K, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
+        row_avx2(x + m * K, panel, K, row, pf);
+        store_rows_avx2(row, PANEL, y + m * N + n0, N, b, 1, ncols);
     }
 }
 
 void linear_f32_avx512(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
                        int64_t K, int num_threads) {
-    over_row_blocks(block_avx512, x, packed, bias, y, M, N, K, num_threads, (struct then_weight){0, 0, 0});
+    over_row_blocks(panel_avx512, x, packed, bias, y, M, N, K, num_threads, (struct then_weight){0, 0, 0});
 }
 
 void linear_f32_avx2(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
                      int64_t K, int num_threads) {
-    over_row_blocks(block_avx2, x, packed, bias, y, M, N, K, num_threads, (struct then_weight){0, 0, 0});
+    over_row_blocks(panel_avx2, x, packed, bias, y, M, N, K, num_threads, (struct then_weight){0, 0, 0});
 }
 
 /* As linear_f32_<isa>, then prefetching as the call after it begins: then_packed [then_N, then_K]
  * (the fused layer's next linear). */
 void linear_f32_avx512_then(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
                             int64_t K, int num_threads, const float *then_packed, int64_t then_N, int64_t then_K) {
-    over_row_blocks(block_avx512, x, packed, bias, y, M, N, K, num_threads,
+    over_row_blocks(panel_avx512, x, packed, bias, y, M, N, K, num_threads,
                     (struct then_weight){then_packed, then_N, then_K});
 }
 
 void linear_f32_avx2_then(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
                           int64_t K, int num_threads, const float *then_packed, int64_t then_N, int64_t then_K) {
-    over_row_blocks(block_avx2, x, packed, bias, y, M, N, K, num_threads,
+    over_row_blocks(panel_avx2, x, packed, bias, y, M, N, K, num_threads,
                     (struct then_weight){then_packed, then_N, then_K});
 }
