@@ -194,8 +194,8 @@ static inline void attend_one(const float *q, const Layer *L, const Step *S, int
 
 /* The G query heads of one row that share kv head g, over its keys [t0, len), when head_dim (d) is a
  * multiple of VL: each chunk of VL keys is read once for all G heads (scores, then values), an online
- * softmax per head. attend_one is the same sum for any head_dim, a head at a time. attend_group calls
- * it with `group` and `d` as constants where it can. */
+ * softmax per head. attend_one is the same sum for any head_dim, a head at a time. attend_group (below)
+ * calls this body with `group` and `d` as constants where it can. */
 static inline __attribute__((always_inline)) void attend_group_body(const float *q0, const Layer *L,
                                                                     const Step *S, int64_t m, int64_t g,
                                                                     const int64_t group, const int64_t d,

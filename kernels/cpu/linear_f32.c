@@ -80,6 +80,9 @@ struct then_weight {
     int64_t N, K;
 };
 
+/* Panels holding N outputs (linear.py's num_panels). */
+static inline int64_t panels_of(int64_t N) { return (N + PANEL - 1) / PANEL; }
+
 /* A thread's panels of num_panels, [first, end): contiguous, as even as they go (so a thread's first
  * panel of the call that follows is known before that call starts). */
 static inline void thread_panels(int64_t num_panels, int thread, int threads, int64_t *first, int64_t *end) {
@@ -99,7 +102,7 @@ static inline const float *next_panel(const float *packed, int64_t p, int64_t en
     }
     if (!then.packed) return 0;
     int64_t first, stop;
-    thread_panels((then.N + PANEL - 1) / PANEL, thread, threads, &first, &stop);
+    thread_panels(panels_of(then.N), thread, threads, &first, &stop);
     if (first >= stop) return 0;
     *next_K = then.K;
     return then.packed + first * then.K * PANEL;
@@ -155,7 +158,7 @@ typedef void (*panel_fn)(const float *x, const float *panel, const float *bias, 
 /* Every panel for M <= ROW_BLOCK rows: one OpenMP region, each thread its share (thread_panels). */
 static void over_panels(panel_fn fn, const float *x, const float *packed, const float *bias, float *y, int64_t M,
                         int64_t N, int64_t K, int num_threads, struct then_weight then) {
-    const int64_t num_panels = (N + PANEL - 1) / PANEL;
+    const int64_t num_panels = panels_of(N);
 #pragma omp parallel num_threads(num_threads)
     {
         const int thread = omp_get_thread_num(), threads = omp_get_num_threads();

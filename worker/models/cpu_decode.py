@@ -43,7 +43,7 @@ from worker.models.quant import QuantLinear, is_quantized, quant_isa
 log = logging.getLogger(__name__)
 
 # Rows of one fused call. float32: 128, where the linear's tiles over packed panels run near the FMA
-# peak (AVX-512 8-row tiles ~490 GFLOPS, AVX2 6-row tiles ~230; MKL's sgemm ~160 on the same 2-core
+# peak (AVX-512 8-row tiles ~490 GFLOPS, AVX2 4-row tiles ~230; MKL's sgemm ~160 on the same 2-core
 # Zen 5 EPYC).
 MAX_ROWS = {"avx512": 128, "avx2": 128, "avx512_bf16": 32}
 # Block-quantized linears: VNNI's 512-bit tile (qlinear.c's tile512) runs SmolLM2's linears at 32
