@@ -8,6 +8,8 @@
  *   LINEAR(x, w, b, y, M, N, K, nt)   y[M, N] (float) = x[M, K] (float) @ w[N, K]^T + b, w laid out as
  *                     that LINEAR reads it (float32: packed in panels, linear_f32.c); it may use
  *                     `scratch` (M * K values of W) for its input
+ *   LINEAR_THEN(x, w, b, y, M, N, K, nt, wn, Nn, Kn)   (optional) LINEAR, told the weight wn [Nn, Kn]
+ *                     the call after it reads (wn 0: none), to prefetch its start; LINEAR unless defined
  * Activations and the residual stream are float32 whatever W is. The KV cache is W too unless the file
  * defines WKV (its element type) with LOADKV(v), STOREKV(f) and VLOADKV(p) as for W (decode_q_kv16.c:
  * float32 weights and norms, K/V in bf16: half the bytes attention reads).
@@ -19,7 +21,7 @@
 #ifndef WLIN
 #define WLIN W /* the linears' weights; a quantized build has them as block structs (decode_q.c) */
 #endif
-#ifndef LINEAR_THEN /* LINEAR, told the weight [Nn, Kn] of the linear after it (to prefetch its start) */
+#ifndef LINEAR_THEN
 #define LINEAR_THEN(x, w, b, y, M, N, K, nt, wn, Nn, Kn) LINEAR(x, w, b, y, M, N, K, nt)
 #endif
 #ifndef WKV

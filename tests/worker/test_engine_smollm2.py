@@ -12,6 +12,7 @@ divergence is then incomparable and not checked.
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass
 
@@ -134,18 +135,20 @@ def references(model_path, prompt_ids) -> list[Reference]:  # type: ignore[no-un
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.eval()
+    # transformers 5.24 calls the KV cache `cache` (in and out); earlier 5.x `past_key_values`
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     refs = []
     with torch.inference_mode():
         for ids in prompt_ids:
             out = model(torch.tensor([ids]), use_cache=True)
-            past, tokens, tops = out.past_key_values, [], []
+            past, tokens, tops = out[name], [], []
             logits = out.logits[0, -1]
             for _ in range(NEW_TOKENS):
                 tops.append(torch.topk(logits, TOP).indices.tolist())
                 token = int(torch.argmax(logits))
                 tokens.append(token)
-                out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[0, -1]
+                out = model(torch.tensor([[token]]), use_cache=True, **{name: past})
+                past, logits = out[name], out.logits[0, -1]
             refs.append(Reference(tokens, tops))
     return refs
 
