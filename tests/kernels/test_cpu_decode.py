@@ -10,6 +10,7 @@ the CPU can run: float32 on AVX-512 and AVX2 (equal up to float32 rounding), bfl
 
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from tests.worker.test_models_tiny import _save_hf
 from worker.attention import AttentionMetadata, allocate_kv_cache
 from worker.cpu_isa import IsaLevel, probe
 from worker.models.cpu_decode import CpuDecodeStep
+from worker.models.cpu_linear import use_decode_linears
 from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_model
 from worker.models.quant import quant_isa, quantize_linears, set_activation_bits, use_quant_kernels
@@ -88,14 +90,14 @@ def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 )
 @pytest.mark.parametrize("seq_lens", [[1], [37], [100, 3, 64, 33, 9]])
 def test_fused_step_equals_the_torch_path(
-    kernel: DecodeLayerKernel, name: str, seq_lens: list[int], tmp_path: Path
+    kernel: DecodeLayerKernel, name: str, seq_lens: list[int], tmp_path: Path, kernel_dir: Path
 ) -> None:
     skip_wide_bf16(kernel, name)
     _save_hf(name, tmp_path)
     dtype = kernel.dtype
     model, _ = load_model(tmp_path, dtype)
     rng = random.Random(len(seq_lens) * 100 + seq_lens[0])
-    got, expected, fused_caches, caches = run_both(model, kernel, seq_lens, rng)
+    got, expected, fused_caches, caches = run_both(model, kernel, seq_lens, rng, kernel_dir)
     assert got.dtype == expected.dtype == dtype
     if dtype == torch.float32:
         # another summation order (and a few-ulp exp): far below what a wrong index would give
@@ -133,6 +135,7 @@ def test_fused_mixed_step_equals_the_torch_path(
     chunks: list[tuple[int, int]],
     rows_a_call: int | None,
     tmp_path: Path,
+    kernel_dir: Path,
 ) -> None:
     """Prefill chunks beside decodes, a token a row: each row attends causally, within the window;
     also as slices of ``rows_a_call`` rows (a chunk split across slices attends to what the slice
@@ -143,7 +146,7 @@ def test_fused_mixed_step_equals_the_torch_path(
     _save_hf(name, tmp_path)
     model, _ = load_model(tmp_path, torch.float32)
     got, expected, fused_caches, caches = run_step(
-        model, kernel, chunks, random.Random(len(chunks)), rows_a_call
+        model, kernel, chunks, random.Random(len(chunks)), kernel_dir, rows_a_call
     )
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert_caches_close(fused_caches, caches)
@@ -182,7 +185,7 @@ def test_fused_quantized_step_equals_the_torch_path(
         ([(36, 1), (0, 5), (20, 7)], None),
         ([(36, 1), (0, 5), (20, 7)], 4),
     ]:
-        got, expected, _, _ = run_step(model, kernel, chunks, random.Random(5), rows_a_call)
+        got, expected, _, _ = run_step(model, kernel, chunks, random.Random(5), kernel_dir, rows_a_call)
         error = float((got - expected).norm() / expected.norm())
         # the linears are the same kernel: float32 rounding elsewhere (norms, attention), which int8's
         # coarse rounding mostly absorbs (measured ~3e-7) and int16's passes on (~2e-5), as float32 does.
@@ -193,11 +196,15 @@ def test_fused_quantized_step_equals_the_torch_path(
 
 
 def run_both(
-    model: LlamaForCausalLM, kernel: DecodeLayerKernel, seq_lens: list[int], rng: random.Random
+    model: LlamaForCausalLM,
+    kernel: DecodeLayerKernel,
+    seq_lens: list[int],
+    rng: random.Random,
+    kernel_dir: Path,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """One decode step of rows with these context lengths over shuffled blocks (earlier K/V random),
     by the fused kernel and by the model's torch path: (got, expected, their caches after)."""
-    return run_step(model, kernel, [(n - 1, 1) for n in seq_lens], rng)
+    return run_step(model, kernel, [(n - 1, 1) for n in seq_lens], rng, kernel_dir)
 
 
 def run_step(
@@ -205,12 +212,14 @@ def run_step(
     kernel: DecodeLayerKernel,
     chunks: list[tuple[int, int]],
     rng: random.Random,
+    kernel_dir: Path,
     rows_a_call: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """One step of sequences given as (tokens already cached, new tokens), decodes (1 new) first as
     the scheduler lays them out, over shuffled blocks whose earlier K/V are random: by the fused kernel
     (a token a row, each prefill row's context ending at itself; in calls of ``rows_a_call`` rows when
-    given) and by the model's torch path."""
+    given) and by the model's torch path. A float32 build reads the weights packed, as the runner
+    gives them to it (``use_decode_linears``, on a copy of the model)."""
     cfg, dtype = model.config, kernel.kv_dtype  # the cache's
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
@@ -246,7 +255,11 @@ def run_step(
     row_lens = [p + 1 for p in positions]
     with torch.inference_mode():
         expected = model(torch.tensor(input_ids), torch.tensor(positions), caches, meta)
-        step = CpuDecodeStep(model, fused_caches, kernel)
+        fused_model = model
+        if kernel.dtype == torch.float32 and not kernel.quantized:
+            fused_model = copy.deepcopy(model)
+            assert use_decode_linears(fused_model, probe(), kernel_dir) > 0
+        step = CpuDecodeStep(fused_model, fused_caches, kernel)
         if rows_a_call is not None:
             step.max_rows = rows_a_call
             assert len(positions) > rows_a_call

@@ -33,7 +33,6 @@ from kernels.cpu.decode import (
     load_decode_kernel,
     load_quant_decode_kernel,
 )
-from kernels.cpu.linear import pack_weight
 from kernels.cpu.qlinear import KIND_CODES
 from worker.cpu_isa import CpuCaps, IsaLevel
 from worker.models.cpu_linear import PanelLinear
@@ -83,7 +82,7 @@ class CpuDecodeStep:
         cfg = model.config
         self.sliding_window = cfg.sliding_window or 0
         self.layers: list[LayerArgs] = []
-        self._keep: list[torch.Tensor] = []  # copies a pointer refers to: contiguous, or packed weights
+        self._keep: list[torch.Tensor] = []  # contiguous copies a pointer refers to
         self._structs: list[QWeightArgs] = []  # the quantized weights' descriptors the layers point to
         for layer, kv in zip(model.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
@@ -102,8 +101,9 @@ class CpuDecodeStep:
         """The address the kernel reads a linear's weight from: the tensor, or (quantized) a QWeightArgs
         naming its packed arrays."""
         if not self.kernel.quantized:
-            if self.kernel.dtype == torch.float32:
-                return self._panels(linear)
+            if self.kernel.dtype == torch.float32:  # packed in panels by use_decode_linears (arena)
+                assert isinstance(linear, PanelLinear), f"{type(linear).__name__}: pack it first"
+                return linear.packed.data_ptr()
             assert isinstance(linear.weight, torch.Tensor)
             return self._tensor(linear.weight)
         assert isinstance(linear, QuantLinear) and linear.packed is not None
@@ -117,16 +117,6 @@ class CpuDecodeStep:
         )
         self._structs.append(args)
         return ctypes.addressof(args)
-
-    def _panels(self, linear: nn.Module) -> int:
-        """A float32 weight packed in panels, as linear_f32.c reads it: the transform's
-        (``use_decode_linears``), or a plain nn.Linear's packed here."""
-        if isinstance(linear, PanelLinear):
-            return linear.packed.data_ptr()
-        assert isinstance(linear.weight, torch.Tensor)
-        packed = pack_weight(linear.weight.detach())
-        self._keep.append(packed)
-        return packed.data_ptr()
 
     def _layer_args(self, layer: DecoderLayer, kv: torch.Tensor) -> LayerArgs:
         _, _, num_blocks, block_size, _ = kv.shape
