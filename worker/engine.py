@@ -21,7 +21,6 @@ from wire.errors import InvalidRequestError
 from wire.prompt import check_prompt
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
-from worker.detokenizer import IncrementalDetokenizer
 from worker.devices import resolve_device
 from worker.kv_cache import KVCacheManager
 from worker.model_runner import ModelRunner, StepRunner, build_model_runner
@@ -35,22 +34,13 @@ from worker.outputs import Completion, RequestOutput
 from worker.policy_set import WorkerPolicies
 from worker.precision import resolve_dtype
 from worker.request import FinishReason, Request, TierRef
+from worker.request_state import RequestState
 from worker.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.structured import GrammarCompiler, GrammarError, Matcher
 from worker.tracing import NULL_OBSERVER, NullObserver
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _RequestState:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    owner: object = None  # the caller's, opaque here (the daemon: which gateway, which epoch)
-    matcher: Matcher | None = None  # a structured output's place in its grammar
-    num_seen: int = 0  # prompt tokens the client already had as output (a resumed request)
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,7 +81,7 @@ class Engine:
         )
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | _tokenizer_eos(tokenizer)
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
         # Structured outputs: grammars compile on their own thread; a request enters the scheduler
         # once its grammar is ready (worker/structured.py).
         self._grammars: GrammarCompiler | None = None
@@ -146,9 +136,8 @@ class Engine:
         """Validate and queue a request; raises :class:`InvalidRequestError` naming the bad field.
 
         ``seen_token_ids``: the last tokens of ``prompt`` that the client has already received as output
-        (a request resumed after a failover). The detokenizer is brought to where it stood after them,
-        fed token by token as the loop would have, so held-back partial characters and stop-string
-        prefixes come out exactly as the old worker would have sent them.
+        (a request resumed after a failover; ``RequestState.begin`` brings the detokenizer to where it
+        stood after them).
 
         ``arrival_time``: when the client's request arrived, on ``time.monotonic``'s clock (None:
         now); the request's TTFT deadline counts from it.
@@ -185,16 +174,9 @@ class Engine:
             raise InvalidRequestError(
                 "resumed_token_ids", "must be the tail of the prompt, after at least one token"
             )
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            prompt_ids[: len(prompt_ids) - num_seen],
-            stop=params.stop,
-            skip_special_tokens=params.skip_special_tokens,
-        )
-        for token_id in seen_token_ids:
-            detokenizer.update([token_id])
-        self._states[request_id] = _RequestState(
-            request, detokenizer, make_generator(params.seed, self.runner.device), owner, num_seen=num_seen
+        generator = make_generator(params.seed, self.runner.device)
+        self._states[request_id] = RequestState.begin(
+            request, self.tokenizer, seen_token_ids, generator, owner
         )
         if params.structured is None:
             self.scheduler.add(request)
@@ -338,44 +320,25 @@ class Engine:
         ]
 
     def _process_token(
-        self, state: _RequestState, token_id: int, logprobs: TokenLogprobs | None
+        self, state: RequestState, token_id: int, logprobs: TokenLogprobs | None
     ) -> RequestOutput:
         request = state.request
-        params = request.sampling_params
-        request.append_output_token(token_id)
-        if state.matcher is not None and not state.matcher.accept(token_id):
-            return self._finish(
-                request, FinishReason.ERROR, error=f"structured output: {state.matcher.error}"
-            )
-        reason: FinishReason | None = None
-        text = ""
-        if token_id in request.eos_token_ids or token_id in params.stop_token_ids:
-            reason = FinishReason.STOP  # the stop token itself is counted but never shown
-            text = state.detokenizer.flush()
-        else:
-            delta = state.detokenizer.update([token_id])
-            text = delta.text
-            if delta.stop_matched is not None:
-                reason = FinishReason.STOP
-            elif state.matcher is not None and state.matcher.is_done:
-                reason = FinishReason.STOP  # the grammar allows nothing more: the answer is whole
-                text += state.detokenizer.flush()
-            elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-                reason = FinishReason.LENGTH
-                text += state.detokenizer.flush()
+        effect = state.take(token_id, self.max_model_len)
+        if effect.error is not None:
+            return self._finish(request, FinishReason.ERROR, error=effect.error)
         output = RequestOutput(
             request.request_id,
             [token_id],
-            text,
-            reason,
+            effect.text,
+            effect.reason,
             [logprobs] if logprobs is not None else [],
             request.num_prompt_tokens,
             request.num_output_tokens,
             request.num_cached_tokens,
             owner=state.owner,
         )
-        if reason is not None:
-            self.scheduler.finish(request.request_id, reason)
+        if effect.reason is not None:
+            self.scheduler.finish(request.request_id, effect.reason)
             self._states.pop(request.request_id, None)
         return output
 

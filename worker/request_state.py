@@ -1,0 +1,81 @@
+"""What the engine keeps for a live request beside the scheduler's ``Request``, and what a sampled
+token does to it: appended, held to its grammar, detokenized, and whether it ends the request.
+
+The engine's registry (``Engine._states``) holds one per live request; the stop rules live here, so
+the loop reads as schedule → execute → sample → ``take`` each token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker.detokenizer import IncrementalDetokenizer
+from worker.request import FinishReason, Request
+from worker.structured import Matcher
+
+
+@dataclass(slots=True, frozen=True)
+class TokenEffect:
+    """What one sampled token did: the text it shows, why it ended the request (None: it goes on), or
+    an error (the request ends, the token unshown)."""
+
+    text: str
+    reason: FinishReason | None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RequestState:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    owner: object = None  # the caller's, opaque here (the daemon: which gateway, which epoch)
+    matcher: Matcher | None = None  # a structured output's place in its grammar
+    num_seen: int = 0  # prompt tokens the client already had as output (a resumed request)
+
+    @classmethod
+    def begin(
+        cls,
+        request: Request,
+        tokenizer: Any,
+        seen_token_ids: Sequence[int],
+        generator: torch.Generator | None,
+        owner: object,
+    ) -> RequestState:
+        """The state of a new request. ``seen_token_ids`` (the prompt's tail, already streamed before a
+        failover) are fed to the detokenizer token by token as the loop would have, so held-back partial
+        characters and stop-string prefixes come out as the old worker would have sent them."""
+        prompt_ids, params = request.prompt_token_ids, request.sampling_params
+        detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            list(prompt_ids[: len(prompt_ids) - len(seen_token_ids)]),
+            stop=params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+        )
+        for token_id in seen_token_ids:
+            detokenizer.update([token_id])
+        return cls(request, detokenizer, generator, owner, num_seen=len(seen_token_ids))
+
+    def take(self, token_id: int, max_model_len: int) -> TokenEffect:
+        """Append a sampled token and apply the stop rules: an EOS or stop token (counted, never shown),
+        a stop string, a grammar that allows nothing more, ``max_tokens``, the context limit."""
+        request = self.request
+        params = request.sampling_params
+        request.append_output_token(token_id)
+        if self.matcher is not None and not self.matcher.accept(token_id):
+            return TokenEffect("", FinishReason.ERROR, f"structured output: {self.matcher.error}")
+        if token_id in request.eos_token_ids or token_id in params.stop_token_ids:
+            return TokenEffect(self.detokenizer.flush(), FinishReason.STOP)
+        delta = self.detokenizer.update([token_id])
+        if delta.stop_matched is not None:
+            return TokenEffect(delta.text, FinishReason.STOP)
+        if self.matcher is not None and self.matcher.is_done:
+            # the grammar allows nothing more: the answer is whole
+            return TokenEffect(delta.text + self.detokenizer.flush(), FinishReason.STOP)
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+            return TokenEffect(delta.text + self.detokenizer.flush(), FinishReason.LENGTH)
+        return TokenEffect(delta.text, None)
