@@ -1,0 +1,74 @@
+"""RequestState.take: each stop rule ends a request with its reason and the text it owes; a resumed
+request's detokenizer starts where the old worker's stood (``begin``)."""
+
+from __future__ import annotations
+
+from tests.worker.test_detokenizer import byte_level_tokenizer
+from wire.sampling import SamplingParams
+from worker.request import FinishReason, Request
+from worker.request_state import RequestState
+
+EOS = 2
+
+
+def state(params: SamplingParams, prompt: str = "Hello", seen: str = "") -> RequestState:
+    tokenizer = byte_level_tokenizer()
+    seen_ids = tokenizer.encode(seen, add_special_tokens=False)  # the prompt's tail, already streamed
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False) + seen_ids
+    eos = frozenset() if params.ignore_eos else frozenset([EOS])
+    request = Request("r", prompt_ids, params, eos_token_ids=eos)
+    return RequestState.begin(request, tokenizer, seen_ids, None, owner="gateway-a")
+
+
+def feed(s: RequestState, text: str, max_model_len: int = 1000) -> list[tuple[str, FinishReason | None]]:
+    tokenizer = byte_level_tokenizer()
+    effects = []
+    for token_id in tokenizer.encode(text, add_special_tokens=False):
+        effect = s.take(token_id, max_model_len)
+        effects.append((effect.text, effect.reason))
+        if effect.reason is not None:
+            break
+    return effects
+
+
+def test_tokens_go_on_until_max_tokens_then_length_with_the_held_text() -> None:
+    s = state(SamplingParams(max_tokens=3, temperature=0.0))
+    effects = feed(s, " the quick brown fox")
+    assert [reason for _, reason in effects] == [None, None, FinishReason.LENGTH]
+    shown = "".join(text for text, _ in effects)
+    decoded = byte_level_tokenizer().decode(s.request.output_token_ids)
+    assert shown == decoded and s.request.num_output_tokens == 3
+
+
+def test_the_context_limit_ends_a_request_as_length() -> None:
+    s = state(SamplingParams(max_tokens=100, temperature=0.0))
+    limit = s.request.num_prompt_tokens + 2
+    effects = feed(s, " the quick brown fox", max_model_len=limit)
+    assert len(effects) == 2 and effects[-1][1] is FinishReason.LENGTH
+
+
+def test_eos_stops_counted_but_never_shown_unless_ignored() -> None:
+    s = state(SamplingParams(max_tokens=10, temperature=0.0))
+    effect = s.take(EOS, 1000)
+    assert effect.reason is FinishReason.STOP and effect.error is None
+    assert s.request.output_token_ids == [EOS]
+    ignoring = state(SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert ignoring.take(EOS, 1000).reason is None
+
+
+def test_a_stop_string_ends_the_request_and_is_not_shown() -> None:
+    s = state(SamplingParams(max_tokens=50, temperature=0.0, stop=["brown"]))
+    effects = feed(s, " the quick brown fox")
+    assert effects[-1][1] is FinishReason.STOP
+    assert "".join(text for text, _ in effects) == " the quick "
+
+
+def test_a_resumed_request_shows_only_what_the_client_has_not_seen() -> None:
+    """The prompt's tail " the" was already streamed: the next tokens' text follows it, as the old
+    worker's would have."""
+    fresh = state(SamplingParams(max_tokens=50, temperature=0.0))
+    whole = "".join(text for text, _ in feed(fresh, " the quick brown"))
+    resumed = state(SamplingParams(max_tokens=50, temperature=0.0), seen=" the")
+    rest = "".join(text for text, _ in feed(resumed, " quick brown"))
+    assert whole == " the" + rest
+    assert resumed.num_seen > 0 and resumed.owner == "gateway-a"
