@@ -96,7 +96,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.ops: LayerOps = ops or TorchLayerOps()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Unfilled, not random: a loader assigns every weight. (Random fills and arithmetic on the meta
+        # device, where the loaders build, run torch's Python references, whose first call imports
+        # torch._dynamo and triton: ~1 s of each start, and triton's leak warnings at exit.)
+        vocab_by_hidden = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=vocab_by_hidden)
         self.layers = nn.ModuleList(
             DecoderLayer(config, attention, self.ops) for _ in range(config.num_layers)
         )
@@ -107,7 +111,9 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        self.build_rope_cache(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
+        weight = self.embed_tokens.weight
+        if weight.device.type != "meta":  # on meta the loader builds it once the weights are real
+            self.build_rope_cache(weight.device, weight.dtype)
 
     def build_rope_cache(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """(Re)build the cos/sin cache; the loader calls it after materialising a meta-built model."""
