@@ -10,8 +10,8 @@ sends degraded requests for a primary to the fallback pool (``Gateway.fallbacks`
 
 Workers are started by command line (gateway/worker_procs.py); the gateway never imports the worker
 package (it must stay torch-free). Shutdown (Ctrl-C, SIGTERM, or a worker dying before it was ever
-ready) always runs the same ``finally``: stop uvicorn, close the dispatcher, SIGTERM the children,
-SIGKILL what is left.
+ready) always runs the same ``finally``: stop uvicorn, SIGTERM the children (SIGKILL what is left),
+then close the dispatcher (so no worker sees its link drop before its own signal).
 
 SIGTERM drains first (what an orchestrator sends before it kills a pod): ``/ready`` and new completions
 answer 503 at once, running requests finish for up to ``gateway.drain_timeout_s``, then the shutdown
@@ -198,9 +198,9 @@ async def _run(
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        await dispatcher.close()
         crashed = [w for w in workers if w.process.poll() not in (None, 0)]
-        stop_workers(workers)
+        stop_workers(workers)  # before the dispatcher closes: no worker sees its link drop first
+        await dispatcher.close()
         if crashed:
             _say(f"worker logs kept in {log_dir}")
         else:

@@ -95,7 +95,7 @@ def test_refused(server: Server, key: str | None, tier: str | None, status: int,
         assert response.json()["error"]["param"] == "X-SLA-Tier"
 
 
-def test_sigterm_drains_live_streams_then_exits_0(draining_server: Server) -> None:
+def test_sigterm_drains_live_streams_then_exits_0(draining_server: Server, tmp_path: Path) -> None:
     server = draining_server
     worker_pids = server.worker_pids()
     assert len(worker_pids) == 2
@@ -150,3 +150,6 @@ def test_sigterm_drains_live_streams_then_exits_0(draining_server: Server) -> No
     for pid in worker_pids:  # serve reaps its workers before it exits, so none may be left
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    # ...and stops them before it closes their link: a clean stop logs no lost connection
+    log = (tmp_path / "serve.log").read_text()
+    assert "stopped" in log and "lost its connection" not in log, log[-3000:]
