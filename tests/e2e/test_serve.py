@@ -1,65 +1,24 @@
-"""``tierserve serve`` as a real process, driven by the official openai client and raw httpx.
-
-Mock workers (fast) for the API surface; one worker killed mid-stream. The real embedded model (slow) is
-in test_serve_smollm2.py, a GGUF pool in test_serve_gguf.py.
+"""``tierserve serve`` as a real process, driven by the official openai client and raw httpx: the API
+surface, on mock workers (fast; the ``mock_server`` fixture, tests/e2e/conftest.py). When things go
+wrong (clients leaving, garbage on the socket, a worker killed) is test_serve_resilience.py; the real
+embedded model (slow) is in test_serve_smollm2.py, a GGUF pool in test_serve_gguf.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import re
-import signal
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
-import msgspec
 import openai
 import pytest
-import zmq
 from openai.types.chat import ChatCompletionMessageParam
 
-from loadtest.launch import Server, running_server
-from worker.mock import MockModel, MockTokenizer
+from tests.e2e.mock_helpers import TOKENIZER, chat_ids, expected_text
 
 pytestmark = pytest.mark.timeout(120)
 
-TOKENIZER = MockTokenizer()
-MODEL = MockModel()
-
-
-# ---------------------------------------------------------------- mock workers
-
-
-@pytest.fixture(scope="module")
-def mock_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    with running_server(["--mock", "2"], log_path, ready_timeout_s=60) as server:
-        yield server, log_path
-
-
-@pytest.fixture(scope="module")
-def base_url(mock_server: tuple[Server, Path]) -> str:
-    return mock_server[0].base_url
-
-
-@pytest.fixture
-def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=30, max_retries=0) as c:
-        yield c
-
-
-def expected_text(prompt_ids: list[int], max_tokens: int) -> str:
-    return TOKENIZER.decode(MODEL.transcript(prompt_ids, max_tokens), skip_special_tokens=True)
-
-
-def chat_ids(text: str) -> list[int]:
-    ids = TOKENIZER.apply_chat_template([{"role": "user", "content": text}])
-    assert isinstance(ids, list)
-    return ids
+CHAT = "/v1/chat/completions"
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 
 def test_health_ready_models(base_url: str, client: openai.OpenAI) -> None:
@@ -237,12 +196,6 @@ def test_sixteen_concurrent_streams(base_url: str) -> None:
         assert got == expected
 
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
-OK = {"model": "mock", "messages": MSG}
-
-
 def test_n_choices_streamed_and_whole(client: openai.OpenAI) -> None:
     ids = chat_ids("three of them")
     expected = expected_text(ids, 12)
@@ -327,99 +280,6 @@ def test_logprobs_chat_and_legacy(client: openai.OpenAI) -> None:
     assert plain.choices[0].logprobs is None
 
 
-def metric(text: str, name: str, **labels: str) -> float | None:
-    """The value of one Prometheus sample, or None when no sample matches."""
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
-            if all(found.get(k) == v for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-def workers_idle(base_url: str) -> bool:
-    """Every worker reports nothing running or waiting and all its KV blocks free (its last heartbeat)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=5).text
-    workers = re.findall(r'tierserve_worker_kv_blocks_total\{worker="([^"]+)"', text)
-    assert workers, text
-    return all(
-        metric(text, "tierserve_worker_requests_running", worker=w) == 0
-        and metric(text, "tierserve_worker_requests_waiting", worker=w) == 0
-        and metric(text, "tierserve_worker_kv_blocks_free", worker=w)
-        == metric(text, "tierserve_worker_kv_blocks_total", worker=w)
-        for w in workers
-    )
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)  # polling a deadline-bounded condition
-    return predicate()
-
-
-def test_metrics_count_requests_tokens_and_latency(base_url: str, client: openai.OpenAI) -> None:
-    before = httpx.get(f"{base_url}/metrics", timeout=5).text
-    client.chat.completions.create(
-        model="mock", messages=[{"role": "user", "content": "count me"}], max_tokens=4
-    )
-    text = httpx.get(f"{base_url}/metrics", timeout=5).text
-    assert "# TYPE tierserve_time_to_first_token_seconds histogram" in text
-    labels = {"model": "mock", "tier": "standard"}
-    done = metric(text, "tierserve_requests_total", status="200", **labels) or 0
-    assert done == (metric(before, "tierserve_requests_total", status="200", **labels) or 0) + 1
-    tokens = metric(text, "tierserve_output_tokens_total", **labels) or 0
-    assert tokens - (metric(before, "tierserve_output_tokens_total", **labels) or 0) == 4
-    assert (metric(text, "tierserve_time_to_first_token_seconds_count", **labels) or 0) >= 1
-    assert metric(text, "tierserve_worker_up", worker="mock-0", state="ready") == 1
-    # The mock worker measured its floor at start (5 ms steps): every default tier is within reach.
-    for tier in ("interactive", "standard", "batch"):
-        assert metric(text, "tierserve_tier_slo_feasible", model="mock", tier=tier) == 1
-
-
-def test_non_streamed_client_that_leaves_aborts_its_request(base_url: str) -> None:
-    assert wait_until(lambda: workers_idle(base_url), 5)
-    body = {"model": "mock", "messages": [{"role": "user", "content": "long"}], "max_tokens": 3000}
-    with pytest.raises(httpx.ReadTimeout):  # 3000 mock steps are 15 s; we leave after 0.5 s
-        httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=0.5)
-    # The worker frees the request's blocks at once; its next heartbeat (every 0.5 s) tells the gateway.
-    assert wait_until(lambda: workers_idle(base_url), 1.5)
-    text = httpx.get(f"{base_url}/metrics", timeout=5).text
-    assert (metric(text, "tierserve_requests_total", model="mock", tier="standard", status="499") or 0) >= 1
-
-
-def test_malformed_frames_to_the_gateway_socket_are_dropped(
-    mock_server: tuple[Server, Path], client: openai.OpenAI
-) -> None:
-    server, log_path = mock_server
-    address = re.search(r"worker\(s\) of 'mock' on (tcp://\S+)", log_path.read_text())
-    assert address is not None
-    before = httpx.get(f"{server.base_url}/metrics", timeout=5).text
-    ctx = zmq.Context()
-    try:
-        rogue = ctx.socket(zmq.DEALER)
-        rogue.setsockopt(zmq.LINGER, 1000)
-        rogue.connect(address.group(1))
-        rogue.send(b"\x00garbage, not msgpack")
-        rogue.send(msgspec.msgpack.encode({"type": "heartbeat", "v": 1, "worker_id": "mock-0"}))  # incomplete
-        rogue.send(msgspec.msgpack.encode({"type": "from_the_future", "v": 99}))
-        rogue.send_multipart([b"two", b"frames"])
-        rogue.close()
-    finally:
-        ctx.term()
-
-    def dropped(text: str) -> float:
-        return sum(metric(text, "tierserve_wire_frames_dropped_total", reason=r) or 0
-                   for r in ("malformed", "version", "multipart"))  # fmt: skip
-
-    base = dropped(before)
-    assert wait_until(lambda: dropped(httpx.get(f"{server.base_url}/metrics", timeout=5).text) >= base + 4, 5)
-    reply = client.completions.create(model="mock", prompt="still serving", max_tokens=5, temperature=0)
-    assert reply.choices[0].text == expected_text(TOKENIZER.encode("still serving"), 5)
-
-
 def test_an_unknown_field_is_a_400_naming_it_and_no_op_fields_pass(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
@@ -443,21 +303,6 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
     assert "temperature" in str(info.value)
 
 
-def test_client_disconnect_mid_stream_leaves_server_healthy(base_url: str, client: openai.OpenAI) -> None:
-    body = {"model": "mock", "messages": MSG, "max_tokens": 3000, "stream": True}
-    with httpx.Client(timeout=10) as http:
-        for _ in range(3):
-            with http.stream("POST", f"{base_url}{CHAT}", json=body) as response:
-                assert response.status_code == 200
-                lines = response.iter_lines()
-                received = [next(lines) for _ in range(6)]
-                assert all(line == "" or line.startswith("data: ") for line in received)
-            # Leaving the block closes the connection mid-stream.
-    completion = client.chat.completions.create(model="mock", messages=MSG, max_tokens=5, temperature=0)
-    assert completion.choices[0].message.content == expected_text(chat_ids("hi"), 5)
-    assert httpx.get(f"{base_url}/ready", timeout=5).status_code == 200
-
-
 def test_wrong_method_and_path_are_json_errors(base_url: str) -> None:
     for response in (
         httpx.get(f"{base_url}{CHAT}", timeout=5),
@@ -465,46 +310,6 @@ def test_wrong_method_and_path_are_json_errors(base_url: str) -> None:
     ):
         assert response.status_code in (404, 405)
         assert response.json()["error"]["message"]
-
-
-# ---------------------------------------------------------------- a worker lost mid-stream
-
-
-@pytest.fixture
-def server_one_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log_path = tmp_path_factory.mktemp("serve-lost") / "serve.log"
-    with running_server(["--mock", "1"], log_path, ready_timeout_s=60) as server:
-        yield server
-
-
-def test_worker_killed_mid_stream_ends_with_error_event_then_503(server_one_worker: Server) -> None:
-    [worker_pid] = server_one_worker.worker_pids()
-    body = {
-        "model": "mock",
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 4000,
-        "stream": True,
-    }
-    events: list[str] = []
-    # The read timeout bounds the wait: the gateway declares the worker lost after 3 s of silence.
-    with httpx.Client(timeout=httpx.Timeout(30.0)) as http:
-        with http.stream("POST", f"{server_one_worker.base_url}/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if not line:
-                    continue
-                events.append(line.removeprefix("data: "))
-                if len(events) == 3:
-                    os.kill(worker_pid, signal.SIGKILL)  # tokens are flowing: the request is in flight
-        assert events[-1] == "[DONE]"
-        error = json.loads(events[-2])["error"]
-        # The only worker is gone: there is nowhere to migrate the request to, so the stream ends.
-        assert error["code"] == "worker_lost" and "no healthy worker" in error["message"], error
-        # No worker left: new requests are refused with 503, and /ready says so.
-        after = http.post(f"{server_one_worker.base_url}/v1/chat/completions", json={**body, "stream": False})
-        assert after.status_code == 503, after.text
-        assert after.json()["error"]["message"]
-        assert http.get(f"{server_one_worker.base_url}/ready").status_code == 503
 
 
 def test_structured_outputs_hold_on_the_mock_model_too(client: openai.OpenAI) -> None:

@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.tokenizer import HFPromptBuilder
 from loadtest.launch import running_server
-from tests.e2e.test_serve import wait_until, workers_idle
+from tests.e2e.mock_helpers import wait_until, workers_idle
 from wire.config import DEFAULT_MODEL_PATH
 from wire.sampling import SamplingParams
 from worker.models.store import DEFAULT_MODEL, default_model_dir, is_pulled, resolve_model

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from loadtest.launch import Server, running_server
-from tests.e2e.test_serve import chat_ids, expected_text
+from tests.e2e.mock_helpers import chat_ids, expected_text
 
 pytestmark = pytest.mark.timeout(120)
 
