@@ -164,10 +164,15 @@ class Dispatcher:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.end_in_flight("the gateway's dispatcher is shutting down")
+        self._socket.close()
+
+    def end_in_flight(self, why: str) -> None:
+        """Abort every in-flight request on its worker and end its stream with DispatcherClosed(why);
+        the links stay up (a stop that wants the streams' connections closed before the workers go)."""
         for request in self._in_flight:
             self._abort(request)
-            request.queue.put_nowait(DispatcherClosed("the gateway's dispatcher is shutting down"))
-        self._socket.close()
+            request.queue.put_nowait(DispatcherClosed(why))
 
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
         """Return once ``predicate()`` holds, re-checked after every worker message but token batches;

@@ -15,7 +15,8 @@ then close the dispatcher (so no worker sees its link drop before its own signal
 
 SIGTERM drains first (what an orchestrator sends before it kills a pod): ``/ready`` and new completions
 answer 503 at once, running requests finish for up to ``gateway.drain_timeout_s``, then the shutdown
-above runs and the process exits 0. Ctrl-C (SIGINT) skips the drain; a second signal stops at once.
+above runs and the process exits 0. Ctrl-C (SIGINT), or a second SIGTERM, skips the drain: running
+streams end at once with an error event, and a further signal stops without waiting for anything.
 """
 
 from __future__ import annotations
@@ -181,12 +182,12 @@ async def _run(
         def on_sigterm() -> None:
             nonlocal drainer
             if drainer is not None:
-                _request_exit(server)  # already draining: the caller wants us gone now
+                _stop_now(gateway, server)  # already draining: the caller wants us gone now
                 return
             timeout_s = options.config.gateway.drain_timeout_s
             drainer = asyncio.create_task(_drain_then_exit(gateway, server, timeout_s))
 
-        loop.add_signal_handler(signal.SIGINT, _request_exit, server)
+        loop.add_signal_handler(signal.SIGINT, _stop_now, gateway, server)
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
         waiter = asyncio.create_task(_wait_for_workers(dispatcher, workers, options, server))
         await server.serve()
@@ -214,15 +215,23 @@ async def _drain_then_exit(gateway: Gateway, server: _Server, timeout_s: float) 
     _say(f"SIGTERM: draining {drain.num_in_flight} request(s), for at most {timeout_s:g} s")
     if not await drain.wait_idle(timeout_s):
         _say(f"drain timed out with {drain.num_in_flight} request(s) running; ending them")
-        # Their streams end with an error event now, so their connections close and uvicorn can stop.
-        await gateway.dispatcher.close()
+        _end_streams(gateway)
     server.should_exit = True
 
 
-def _request_exit(server: uvicorn.Server) -> None:
+def _stop_now(gateway: Gateway, server: uvicorn.Server) -> None:
+    """Ctrl-C, or a second SIGTERM: no drain. Running streams end with an error event at once, so their
+    connections close and uvicorn stops without waiting for them; a further signal does not wait for
+    anything."""
     if server.should_exit:
-        server.force_exit = True  # a second Ctrl-C: do not wait for open streams
+        server.force_exit = True
+    _end_streams(gateway)
     server.should_exit = True
+
+
+def _end_streams(gateway: Gateway) -> None:
+    gateway.drain.start()  # nothing new is admitted meanwhile
+    gateway.dispatcher.end_in_flight("the server is stopping")
 
 
 async def _wait_for_workers(

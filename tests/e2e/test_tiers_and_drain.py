@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from loadtest.launch import Server, running_server
-from tests.e2e.mock_helpers import chat_ids, expected_text
+from tests.e2e.mock_helpers import chat_ids, expected_text, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -153,3 +153,42 @@ def test_sigterm_drains_live_streams_then_exits_0(draining_server: Server, tmp_p
     # ...and stops them before it closes their link: a clean stop logs no lost connection
     log = (tmp_path / "serve.log").read_text()
     assert "stopped" in log and "lost its connection" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["ctrl-c", "sigterm-twice"])
+def test_a_stop_without_drain_ends_live_streams_at_once(
+    draining_server: Server, tmp_path: Path, twice: bool
+) -> None:
+    """Ctrl-C, or a second SIGTERM while draining, does not wait for running streams: each ends with an
+    error event and [DONE] long before its tokens would have, and serve exits 0 with a clean log."""
+    server = draining_server
+    auth = {"Authorization": "Bearer chat-key"}
+    body = {"model": "mock", "messages": MSG, "max_tokens": STREAM_TOKENS, "temperature": 0, "stream": True}
+    events: list[str] = []
+
+    def stop() -> None:
+        if not twice:
+            os.kill(server.process.pid, signal.SIGINT)
+            return
+        os.kill(server.process.pid, signal.SIGTERM)
+        # the drain has begun (two signals sent at once may reach the process as one)
+        assert wait_until(lambda: httpx.get(f"{server.base_url}/ready", timeout=5).status_code == 503, 10)
+        os.kill(server.process.pid, signal.SIGTERM)
+
+    with (
+        httpx.Client(base_url=server.base_url, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", json=body, headers=auth) as response,
+    ):
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    stop()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "unavailable" and "stopping" in error["message"], error
+    assert len(events) < STREAM_TOKENS  # ended, not streamed to the end
+    assert server.process.wait(timeout=DEADLINE_S) == 0
+    log = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in log and "lost its connection" not in log, log[-3000:]
