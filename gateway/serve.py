@@ -26,6 +26,7 @@ import contextlib
 import math
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -130,11 +131,34 @@ async def _serve(options: ServeOptions, telemetry: Telemetry | None = None) -> i
             _say(f"error: cannot listen for workers on {link.address} (gateway.worker_address): {exc}")
             return 1
         _say(link.describe(dispatcher.address))
-        return await _run(options, dispatcher, link.worker_args, telemetry)
+        try:  # before any worker starts: a port in use fails now, not after a model load
+            http_socket = _http_socket(options.host, options.port)
+        except OSError as exc:
+            _say(f"error: cannot listen on {options.host}:{options.port}: {exc.strerror or exc}")
+            await dispatcher.close()
+            return 1
+        with http_socket:
+            return await _run(options, dispatcher, http_socket, link.worker_args, telemetry)
+
+
+def _http_socket(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket, bound here and served by uvicorn (as its own ``bind_socket`` would)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def _run(
-    options: ServeOptions, dispatcher: Dispatcher, curve_args: list[str], telemetry: Telemetry | None
+    options: ServeOptions,
+    dispatcher: Dispatcher,
+    http_socket: socket.socket,
+    curve_args: list[str],
+    telemetry: Telemetry | None,
 ) -> int:
     await dispatcher.start()
     workers: list[WorkerProcess] = []
@@ -190,7 +214,7 @@ async def _run(
         loop.add_signal_handler(signal.SIGINT, _stop_now, gateway, server)
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
         waiter = asyncio.create_task(_wait_for_workers(dispatcher, workers, options, server))
-        await server.serve()
+        await server.serve(sockets=[http_socket])
         if not server.started:
             return 1  # uvicorn could not bind; it said why
         return 0 if not waiter.done() or waiter.result() else 1

@@ -9,6 +9,9 @@ import json
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,3 +144,29 @@ def test_worker_killed_mid_stream_ends_with_error_event_then_503(server_one_work
         assert after.status_code == 503, after.text
         assert after.json()["error"]["message"]
         assert http.get(f"{server_one_worker.base_url}/ready").status_code == 503
+
+
+def test_a_port_in_use_fails_before_any_worker_starts() -> None:
+    """The HTTP port is bound before the workers start: taken, serve says so and exits 1 at once, no
+    model loaded for nothing."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [
+            sys.executable,
+            "-m",
+            "tierserve",
+            "serve",
+            "--mock",
+            "1",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert f"cannot listen on 127.0.0.1:{port}" in output, output
+    assert "starting" not in output, output
