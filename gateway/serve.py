@@ -216,7 +216,7 @@ async def _run(
         waiter = asyncio.create_task(_wait_for_workers(dispatcher, workers, options, server))
         await server.serve(sockets=[http_socket])
         if not server.started:
-            return 1  # uvicorn could not bind; it said why
+            return 1  # uvicorn did not start; it said why
         return 0 if not waiter.done() or waiter.result() else 1
     finally:
         for task in (waiter, drainer):
