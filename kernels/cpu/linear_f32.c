@@ -51,7 +51,8 @@ int64_t linear_f32_gather_rows(const float *packed, int64_t N, const int64_t *id
     return -1;
 }
 
-/* The next panel's lines, a share a tile: the tiles of one panel fetch it all between them. */
+/* The next panel's lines, a share a tile: the tiles of one panel fetch it all between them (none for
+ * next_panel 0). */
 struct panel_prefetch {
     const char *at, *end;
     int64_t per_chunk; /* lines a K_CHUNK of k steps */
@@ -59,6 +60,7 @@ struct panel_prefetch {
 
 static inline struct panel_prefetch panel_prefetch(const float *next_panel, int64_t next_K, int64_t K, int64_t tile,
                                                    int64_t num_tiles) {
+    if (!next_panel) return (struct panel_prefetch){0, 0, 0}; /* nothing to fetch: no bursts */
     int64_t lines = (next_K * PANEL * (int64_t)sizeof(float) + 63) / 64, share = (lines + num_tiles - 1) / num_tiles;
     const char *base = (const char *)next_panel;
     int64_t chunks = (K + K_CHUNK - 1) / K_CHUNK; /* this tile's bursts */
@@ -188,8 +190,7 @@ static void panel_avx512(const float *x, const float *panel, const float *bias, 
     for (int64_t t = 0; t < num_tiles; t++) {
         const int64_t m0 = t * MR_512;
         tile_m_avx512(x + m0 * K, panel, y + m0 * N + n0, bias ? bias + n0 : 0, M - m0 < MR_512 ? M - m0 : MR_512,
-                      N, K, ncols,
-                      next ? panel_prefetch(next, next_K, K, t, num_tiles) : (struct panel_prefetch){0, 0, 0});
+                      N, K, ncols, panel_prefetch(next, next_K, K, t, num_tiles));
     }
 }
 
@@ -274,15 +275,13 @@ static void panel_avx2(const float *x, const float *panel, const float *bias, fl
         const int64_t width = ncols - 24 * c < 24 ? ncols - 24 * c : 24;
         for (int64_t g = 0; g < groups; g++, tile++) {
             const float *xg = x + g * MR_256 * K;
-            struct panel_prefetch pf =
-                next ? panel_prefetch(next, next_K, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
+            struct panel_prefetch pf = panel_prefetch(next, next_K, K, tile, num_tiles);
             tile_avx2(xg, xg + K, xg + 2 * K, xg + 3 * K, panel + 24 * c, K, out, pf);
             store_rows_avx2(&out[0][0], 24, y + g * MR_256 * N + n0 + 24 * c, N, b ? b + 24 * c : 0, MR_256, width);
         }
     }
     for (int64_t m = groups * MR_256; m < M; m++, tile++) {
-        struct panel_prefetch pf =
-            next ? panel_prefetch(next, next_K, K, tile, num_tiles) : (struct panel_prefetch){0, 0, 0};
+        struct panel_prefetch pf = panel_prefetch(next, next_K, K, tile, num_tiles);
         row_avx2(x + m * K, panel, K, row, pf);
         store_rows_avx2(row, PANEL, y + m * N + n0, N, b, 1, ncols);
     }
