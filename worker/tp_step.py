@@ -16,6 +16,7 @@ step, one int64 payload: input ids, positions and slots [T each], query_start_lo
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -94,10 +95,20 @@ class TensorParallelRunner(ModelRunner):
     num_steps_sent = 0
 
     def forward(self, step: StepInputs) -> torch.Tensor:
-        if dist.get_rank() == 0:
+        if dist.get_rank() != 0:
+            return super().forward(step)
+        try:
             send_step(step)
             self.num_steps_sent += 1
-        return super().forward(step)
+            return super().forward(step)
+        except Exception:
+            # A failed collective is a lost rank (gloo: connection reset), and any failure here leaves the
+            # ranks out of step: the worker goes down at once, as tp_ranks' watch does when a rank exits,
+            # so the gateway moves its requests. Failing only this step's requests (the engine's own
+            # handling) raced the watch and ended the streams with an error instead.
+            log.exception("tensor parallel step failed on rank 0: this worker stops, its requests move")
+            logging.shutdown()
+            os._exit(1)
 
     def close(self) -> None:
         """Rank 0, once it runs no more steps: the followers return."""
