@@ -8,13 +8,11 @@
 
 The pieces: the socket (gateway/worker_socket.py: sends never wait, so a cancelled consumer can send
 its Abort from inside its cancellation); the in-flight table (gateway/in_flight.py), the one record of
-which request runs on which worker, which the registry reads too; and failover (gateway/failover.py):
-a lost worker's requests move to another worker with ``epoch + 1``, resuming after what the client
-has, or end with WorkerLost. Everything runs on one event loop, so nothing here is locked.
-
-Trust: a frame is only believed from the connection it claims to come from (the ROUTER identity must be
-the worker id it names, and a delta must come from the worker its request was sent to, with the current
-epoch); anything else is counted and dropped. Links are authenticated only with CURVE (the socket's).
+which request runs on which worker, which the registry reads too; the worker messages coming in, each
+checked against its sender and handed to its handler (gateway/worker_messages.py); and failover
+(gateway/failover.py): a lost worker's requests move to another worker with ``epoch + 1``, resuming
+after what the client has, or end with WorkerLost. Everything runs on one event loop, so nothing here
+is locked. Links are authenticated only with CURVE (the socket's).
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
 
 import zmq
 
@@ -41,25 +38,12 @@ from gateway.request_stream import (
     WorkerLost,
     WorkerRejected,
 )
+from gateway.worker_messages import WorkerMessages
 from gateway.worker_socket import WorkerSocket
-from gateway.workers import PromptKey, RoutingError, WorkerInfo, WorkerRegistry, WorkerState
+from gateway.workers import PromptKey, WorkerRegistry, WorkerState
 from policies.routing import RouteRequest, RoutingPolicy
-from wire.codec import DecodeStats, encode, worker_message_decoder
-from wire.log_every import is_logged
-from wire.messages import (
-    Abort,
-    DrainNotice,
-    GatewayMessage,
-    Heartbeat,
-    KVEvents,
-    KVSnapshot,
-    Register,
-    Rejected,
-    ResyncKV,
-    Submit,
-    TokenBatch,
-    TokenDelta,
-)
+from wire.codec import DecodeStats, encode
+from wire.messages import Abort, GatewayMessage, Submit
 from wire.sampling import SamplingParams
 from wire.tier import Tier
 
@@ -75,10 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-LOG_EVERY = 1000  # frames from unknown peers: the first logged, then every Nth
-
-# The worker messages that name their sender (all but Rejected, which is checked against its request).
-_Named: TypeAlias = Register | TokenBatch | Heartbeat | DrainNotice | KVEvents | KVSnapshot
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,24 +107,18 @@ class Dispatcher:
         )
         self._socket = WorkerSocket(bind, curve)
         self.address = self._socket.address  # tcp://127.0.0.1:0 bound an ephemeral port: this is it
-        self._decoder = worker_message_decoder()
-        # One handler per worker message type, found by exact type (a TokenBatch comes every step).
-        self._handlers: dict[type, Callable[[bytes, Any, float], None]] = {
-            TokenBatch: self._on_token_batch,
-            Rejected: self._on_rejected,
-            KVEvents: self._on_kv_events,
-            KVSnapshot: self._on_kv_snapshot,
-            Heartbeat: self._on_heartbeat,
-            DrainNotice: self._on_drain,
-            Register: self._on_register,
-        }
         self._tasks: list[asyncio.Task[None]] = []
         self._changed = asyncio.Event()  # set and replaced whenever the registry or counters change
         self._listeners: list[Callable[[], None]] = []
         self._is_closed = False
-        self._num_dropped_multipart = 0
-        self._num_dropped_unknown_peer = 0
-        self._num_stale_deltas = 0
+        self._messages = WorkerMessages(
+            self.registry,
+            self._in_flight,
+            self._failover,
+            place=self._place,
+            send=self._send,
+            notify=self._notify,
+        )
 
     # ---- lifecycle and watching ---------------------------------------------------------------
 
@@ -211,10 +185,10 @@ class Dispatcher:
             num_workers_draining=count(WorkerState.DRAINING),
             num_workers_dead=count(WorkerState.DEAD),
             num_in_flight=len(self._in_flight),
-            decode=dataclasses.replace(self._decoder.stats),
-            num_dropped_multipart=self._num_dropped_multipart,
-            num_dropped_unknown_peer=self._num_dropped_unknown_peer,
-            num_stale_deltas=self._num_stale_deltas,
+            decode=dataclasses.replace(self._messages.decoder.stats),
+            num_dropped_multipart=self._messages.num_dropped_multipart,
+            num_dropped_unknown_peer=self._messages.num_dropped_unknown_peer,
+            num_stale_deltas=self._messages.num_stale_deltas,
             num_send_failures=self._socket.num_send_failures,
             num_workers_lost=self._failover.num_workers_lost,
             num_migrations=dict(self._failover.num_migrations),
@@ -295,9 +269,7 @@ class Dispatcher:
     def _send(self, worker_id: str, message: GatewayMessage) -> bool:
         return self._socket.send(worker_id, encode(message))
 
-    # ---- worker messages: decode, then one handler per type ----------------------------------
-    # Token batches and KV events come every engine step and wake nobody; the other messages, and
-    # every drop (a counter changed), notify.
+    # ---- worker messages in (gateway/worker_messages.py) --------------------------------------
 
     async def _receive_loop(self) -> None:
         while True:
@@ -307,147 +279,6 @@ class Dispatcher:
                 log.exception("the ROUTER socket failed; no more worker messages will arrive")
                 raise
             try:
-                self._on_frames(parts, time.monotonic())
+                self._messages.on_frames(parts, time.monotonic())
             except Exception:
                 log.exception("unexpected error handling a worker message; dropped")
-
-    def _on_frames(self, parts: list[bytes], now: float) -> None:
-        if len(parts) != 2:
-            self._num_dropped_multipart += 1
-            self._notify()
-            return
-        identity, frame = parts
-        message = self._decoder.decode(frame)
-        if message is None:
-            self._notify()
-            return
-        self._handlers[type(message)](identity, message, now)
-
-    def _on_token_batch(self, identity: bytes, batch: TokenBatch, now: float) -> None:
-        if self._sender(identity, batch, now) is not None:
-            for delta in batch.deltas:
-                self._on_delta(batch.worker_id, delta)
-
-    def _on_delta(self, worker_id: str, delta: TokenDelta) -> None:
-        request = self._in_flight.get(delta.request_id)
-        if request is None or request.submit.epoch != delta.epoch or request.worker_id != worker_id:
-            self._num_stale_deltas += 1  # aborted, migrated, or finished: nobody waits for it
-            if delta.finish_reason is None:
-                # Still running there (an ejected worker that woke up, or our Abort was lost with the
-                # link): stop it. The epoch keeps this from touching a newer attempt on that worker.
-                self._send(worker_id, Abort(request_id=delta.request_id, epoch=delta.epoch))
-            return
-        request.token_ids.extend(delta.token_ids)
-        if delta.finish_reason is not None:
-            self._in_flight.remove(request)
-        request.queue.put_nowait(delta)
-
-    def _on_rejected(self, identity: bytes, message: Rejected, now: float) -> None:
-        # It names no worker: it must come from the one its request (at its epoch) was sent to.
-        request = self._in_flight.get(message.request_id)
-        if request is None or request.submit.epoch != message.epoch or request.worker_id.encode() != identity:
-            self._num_stale_deltas += 1
-            return
-        self.registry.touch(request.worker_id, now)
-        self._in_flight.remove(request)
-        # 503: the worker began draining after we picked it. It ran nothing, so the same Submit (same
-        # epoch) can go to another worker; the client never learns.
-        if message.status == 503:
-            try:
-                if self._place(request, exclude={request.worker_id}):
-                    return
-            except RoutingError:
-                log.exception("routing failed re-placing request %s", request.request_id)
-        request.queue.put_nowait(WorkerRejected(message.status, message.field, message.message))
-
-    def _on_kv_events(self, identity: bytes, events: KVEvents, now: float) -> None:
-        if (worker := self._sender(identity, events, now)) is not None:
-            worker.prefix.on_events(events)
-            self._resync_if_stale(worker, now)
-
-    def _on_kv_snapshot(self, identity: bytes, snapshot: KVSnapshot, now: float) -> None:
-        if (worker := self._sender(identity, snapshot, now)) is not None:
-            worker.prefix.on_snapshot(snapshot)
-            self._resync_if_stale(worker, now)
-
-    def _on_heartbeat(self, identity: bytes, heartbeat: Heartbeat, now: float) -> None:
-        if not self._is_from(identity, heartbeat):
-            return
-        worker = self.registry.on_heartbeat(heartbeat, now)
-        if worker is None:
-            self._drop_unknown_peer(identity, "Heartbeat")
-            return
-        worker.prefix.on_heartbeat(heartbeat.stats.kv_events_seq)
-        self._resync_if_stale(worker, now)
-        self._notify()
-
-    def _on_drain(self, identity: bytes, notice: DrainNotice, now: float) -> None:
-        if not self._is_from(identity, notice):
-            return
-        if self.registry.on_drain(notice, now) is None:
-            self._drop_unknown_peer(identity, "DrainNotice")
-            return
-        log.info("worker %s draining: %s", notice.worker_id, notice.reason)
-        self._notify()
-
-    def _on_register(self, identity: bytes, message: Register, now: float) -> None:
-        if not self._is_from(identity, message):
-            return
-        known = self.registry.get(message.worker_id)
-        previous_pid = known.register.pid if known is not None else None
-        lost = self.registry.on_register(message, now)
-        log.info(
-            "worker %s registered: model %s, pid %d (before: %s), %d KV blocks, context %d, on %s (%s) in %s",
-            message.worker_id,
-            message.model,
-            message.pid,
-            previous_pid,
-            message.num_kv_blocks,
-            message.max_model_len,
-            message.device,
-            message.device_name or "?",
-            message.dtype,
-        )
-        worker = self.registry.get(message.worker_id)
-        assert worker is not None
-        self._resync_if_stale(worker, now)  # a new index, for a new process or a new link
-        if lost:
-            self._failover.lose_worker(
-                worker.worker_id, lost, f"restarted (pid {previous_pid} → {message.pid})"
-            )
-        self._notify()
-
-    def _resync_if_stale(self, worker: WorkerInfo, now: float) -> None:
-        """Ask for a KVSnapshot when the worker's prefix index can no longer be trusted."""
-        if worker.prefix.wants_resync(now):
-            log.debug("asking worker %s for its prefix cache (resync %d)", worker.worker_id,
-                      worker.prefix.num_resyncs)  # fmt: skip
-            self._send(worker.worker_id, ResyncKV())
-
-    def _is_from(self, identity: bytes, message: _Named) -> bool:
-        """Whether the frame came over the link of the worker it names (if not: counted and dropped)."""
-        if message.worker_id.encode() == identity:
-            return True
-        self._drop_unknown_peer(identity, type(message).__name__)
-        return False
-
-    def _sender(self, identity: bytes, message: _Named, now: float) -> WorkerInfo | None:
-        """The registered worker that sent ``message``, its liveness refreshed; None (counted and
-        dropped) when the frame is not from the worker it names, or that worker never registered."""
-        if not self._is_from(identity, message):
-            return None
-        worker = self.registry.touch(message.worker_id, now)
-        if worker is None:
-            self._drop_unknown_peer(identity, type(message).__name__)
-        return worker
-
-    def _drop_unknown_peer(self, identity: bytes, what: str) -> None:
-        self._num_dropped_unknown_peer += 1
-        if is_logged(self._num_dropped_unknown_peer, LOG_EVERY):
-            log.warning(
-                "dropped a %s from peer %r: not a registered worker of that id (%d such drops)",
-                what,
-                identity[:64],
-                self._num_dropped_unknown_peer,
-            )
-        self._notify()

@@ -1,7 +1,7 @@
 """The dispatcher against real mock workers (tests/gateway/mock_fleet.py): streams, spreading, rejects,
-cancellation, garbage frames, the arrival time a Submit carries; at the end, without workers, the
-handler table (the in-flight table's state machine: test_in_flight_table.py; failover:
-test_dispatch_failover.py). Every wait is bounded, and waits on an event (a delta, a heartbeat, a
+cancellation, garbage frames, the arrival time a Submit carries (each worker message's handler without
+sockets: test_worker_messages.py; the in-flight table's state machine: test_in_flight_table.py;
+failover: test_dispatch_failover.py). Every wait is bounded, and waits on an event (a delta, a heartbeat, a
 counter), never on a sleep.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from typing import get_args
 
 import msgspec
 import pytest
@@ -30,7 +29,7 @@ from tests.gateway.mock_fleet import (
     worker_info,
 )
 from wire.codec import encode
-from wire.messages import Heartbeat, Register, TokenBatch, TokenDelta, Usage, WorkerMessage, WorkerStats
+from wire.messages import Heartbeat, Register, TokenBatch, TokenDelta, Usage, WorkerStats
 from worker.mock import MockModel
 
 pytestmark = pytest.mark.timeout(90)
@@ -196,19 +195,6 @@ def test_garbage_frames_are_dropped_and_counted(fleet: Fleet) -> None:
     finally:
         rogue.close()
         ctx.term()
-
-
-# ---------------------------------------------------------------- the handler table
-
-
-def test_every_worker_message_type_has_its_own_handler() -> None:
-    dispatcher = Dispatcher("tcp://127.0.0.1:0")
-    try:
-        handlers = dispatcher._handlers
-        assert set(handlers) == set(get_args(WorkerMessage))
-        assert len({handler.__name__ for handler in handlers.values()}) == len(handlers)
-    finally:
-        asyncio.run(dispatcher.close())
 
 
 def test_the_submit_carries_the_clients_arrival_time(fleet: Fleet) -> None:
