@@ -16,7 +16,8 @@ from typing import Literal, Protocol
 import msgspec
 
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts, chat_logprobs, completion_logprobs
-from gateway.tools import AnswerParser, ParsedCall, ToolSpec, answer_parser, parse_whole
+from gateway.tool_calls import AnswerParser, ParsedCall, answer_parser, parse_whole
+from gateway.tools import ToolSpec
 from wire.messages import TokenDelta, TokenLogprob, Usage
 
 # ---------------------------------------------------------------- responses
