@@ -13,16 +13,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from gateway.chat_prompt import chat_prompt, template_messages
 from gateway.errors import APIError
 from gateway.logprobs import TokenTexts
 from gateway.openai_api import ChatRenderer, CompletionRenderer, Renderer
 from gateway.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
-    chat_prompt,
     decode_chat,
     decode_completion,
-    template_messages,
 )
 from gateway.tokenizer import PromptBuilder, TemplateError, text_ids_async
 from gateway.tools import ToolSpec

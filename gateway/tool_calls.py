@@ -19,7 +19,6 @@ from gateway.tools import CALL_CLOSE, CALL_OPEN, MISTRAL_OPEN, PYTHON_TAG, ToolS
 __all__ = ["AnswerParser", "CallParser", "ParsedCall", "WholeAnswerParser", "answer_parser", "parse_whole"]
 
 
-
 @dataclass(frozen=True, slots=True)
 class ParsedCall:
     id: str

@@ -1,7 +1,7 @@
 """Tool calling at the gateway: the request's tools in the prompt, the grammar that enforces a call,
 and the format the model answers a call in (the parsers that find its calls: gateway/tool_calls.py).
 
-A chat template that takes ``tools`` renders them itself (openai_requests.chat_prompt), and the model
+A chat template that takes ``tools`` renders them itself (gateway/chat_prompt.py), and the model
 answers a call as its template taught it (``call_format`` tells which from the template's text):
 Hermes blocks (below; Qwen2.5, Hermes), Llama 3.1's JSON answer (``{"name": ..., "parameters": ...}``,
 several separated by ``;``), or Mistral's ``[TOOL_CALLS]`` and a JSON list; under ``auto`` its answer

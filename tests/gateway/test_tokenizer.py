@@ -81,7 +81,8 @@ def test_a_template_that_takes_tools_renders_them_itself(tmp_path: Path) -> None
 
     import msgspec
 
-    from gateway.openai_requests import ChatCompletionRequest, chat_prompt
+    from gateway.chat_prompt import chat_prompt
+    from gateway.openai_requests import ChatCompletionRequest
 
     shutil.copy(default_model_dir() / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
