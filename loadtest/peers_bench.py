@@ -46,12 +46,13 @@ from loadtest.peers_servers import (
     vllm_launch,
 )
 from loadtest.prompt_text import PromptTokenizer, load_tokenizer
-from loadtest.record import machine
+from loadtest.record import cpu_caps, machine
 from loadtest.records import RequestRecord
 from loadtest.runner import Bounds, run_load
 from loadtest.workloads import Api, Workload, WorkloadOptions
 from wire.config import DEFAULT_MODEL_PATH, ServerConfig
 from wire.tier import Tier
+from worker.cpu_isa import CpuCaps, IsaLevel
 
 OURS = "tierserve"
 PEERS = ("vllm", "llamacpp")
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     for name in reversed(order[:-1]):  # the others' mixed runs, each started alone again
         if bench.results[name].error is None and args.mixed_s > 0:
             bench.session(name, "mixed", bench.mixed)
-    return figures(args, bench.results, bench.rate)
+    return figures(args, bench.results, bench.rate, cpu_caps())
 
 
 def duration_of(records: list[RequestRecord]) -> float:
@@ -278,24 +279,28 @@ def server_figures(result: ServerResult) -> dict[str, object]:
     return out
 
 
-def scenario_name(precision: Precision, tierserve_path: str) -> str:
+def scenario_name(precision: Precision, tierserve_path: str, caps: CpuCaps) -> str:
     """The docs block a run records into: peers (or peers-fp32) when tierserve serves its default
     pool path, -float when it serves the float folder ("default"), -gguf another GGUF file, -folder
-    another folder."""
+    another folder. A CPU below AVX-512 adds its class (-avx2, -generic), so that its run records
+    beside an AVX-512 one, not over it; so does TIERSERVE_CPU_ISA, with -capped: it lowers tierserve's
+    kernels only, the peers still use the whole CPU."""
     name = "peers" if precision is Precision.BEST else "peers-fp32"
-    if tierserve_path == DEFAULT_MODEL_PATH:
-        return name
     if tierserve_path == "default":
-        return f"{name}-float"
-    return f"{name}-gguf" if tierserve_path.endswith(".gguf") else f"{name}-folder"
+        name += "-float"
+    elif tierserve_path != DEFAULT_MODEL_PATH:
+        name += "-gguf" if tierserve_path.endswith(".gguf") else "-folder"
+    if caps.level < IsaLevel.AVX512:
+        name += "-avx2" if caps.level == IsaLevel.AVX2 else "-generic"
+    return name + ("-capped" if caps.is_overridden else "")
 
 
 def figures(
-    args: argparse.Namespace, results: Mapping[str, ServerResult], rate: float | None
+    args: argparse.Namespace, results: Mapping[str, ServerResult], rate: float | None, caps: CpuCaps
 ) -> dict[str, object]:
     precision = Precision(args.precision)
     out: dict[str, object] = {
-        "scenario": scenario_name(precision, args.tierserve_path),  # --record's block
+        "scenario": scenario_name(precision, args.tierserve_path, caps),  # --record's block
         "model": MODEL,
         "precision": precision.value,
         "tierserve_path": args.tierserve_path,  # its pool's path: default-q4_1 (the GGUF), default (float)

@@ -23,17 +23,22 @@ import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from worker.cpu_isa import OVERRIDE_ENV, caps_from_flags, read_cpuinfo  # torch-free: /proc/cpuinfo only
+from worker.cpu_isa import OVERRIDE_ENV, CpuCaps, caps_from_flags, read_cpuinfo  # torch-free: /proc/cpuinfo
 
 BEGIN = "<!-- bench:{name}:begin -->"
 END = "<!-- bench:{name}:end -->"
 
 
+def cpu_caps() -> CpuCaps:
+    """The CPU as the engine's probe sees it, TIERSERVE_CPU_ISA included."""
+    model_name, flags = read_cpuinfo()
+    return caps_from_flags(flags, model_name, os.environ.get(OVERRIDE_ENV))
+
+
 def machine() -> str:
     """CPU model and ISA (as the engine's probe sees it, TIERSERVE_CPU_ISA included), cores, OS and
     Python: figures differ by machine, so every recorded one says where it came from."""
-    model_name, flags = read_cpuinfo()
-    cpu = caps_from_flags(flags, model_name, os.environ.get(OVERRIDE_ENV)).describe()
+    cpu = cpu_caps().describe()
     system = f"{platform.system()} {platform.machine()}"
     return f"{cpu}; {os.cpu_count()} cores, {system}, Python {platform.python_version()}"
 

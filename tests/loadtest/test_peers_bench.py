@@ -18,8 +18,12 @@ from loadtest.peers_bench import (
 from loadtest.peers_install import VLLM_SKIPPED, runtime_requirements
 from loadtest.peers_servers import Precision
 from loadtest.records import Outcome, RequestRecord
+from worker.cpu_isa import caps_from_flags
 
 TOKENS = 128
+AVX2_FLAGS = frozenset({"sse4_1", "avx", "avx2", "fma", "f16c"})
+AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16"}
+ZEN4 = caps_from_flags(AVX512_FLAGS, "AMD EPYC 9R14")  # the figures' machine, whatever runs the tests
 
 
 def group(seconds_per_request: float, num_requests: int, *, concurrent: bool = False) -> GroupSummary:
@@ -68,7 +72,7 @@ def test_figures_per_server_and_ratios() -> None:
         measured("llamacpp", 1.0, 4.0),
     )
     results = {r.name: r for r in (ours, vllm, llamacpp)}
-    out = figures(parse_args([]), results, mixed_rate(results.values(), 2.0))
+    out = figures(parse_args([]), results, mixed_rate(results.values(), 2.0), ZEN4)
     single = {name: out[name]["single_tok_s"] for name in results}  # type: ignore[index]
     assert single["tierserve"] == pytest.approx(TOKENS / 2.0, rel=0.01)
     assert out["single_ratio_vs_vllm"] == pytest.approx(2.0, abs=0.01)
@@ -86,7 +90,7 @@ def test_a_failed_peer_has_null_figures_and_ratios_and_the_rest_stand() -> None:
     ours, llamacpp = measured("tierserve", 2.0, 8.0), measured("llamacpp", 1.0, 4.0)
     vllm = ServerResult("vllm", error="install failed: pip exit status 1")
     results = {"tierserve": ours, "vllm": vllm, "llamacpp": llamacpp}
-    out = figures(parse_args(["--precision", "fp32"]), results, mixed_rate(results.values(), 2.0))
+    out = figures(parse_args(["--precision", "fp32"]), results, mixed_rate(results.values(), 2.0), ZEN4)
     assert out["vllm"]["error"].startswith("install failed")  # type: ignore[index]
     assert out["vllm"]["single_tok_s"] is None  # type: ignore[index]
     assert out["single_ratio_vs_vllm"] is None and out["concurrent_ratio_vs_vllm"] is None
@@ -97,12 +101,22 @@ def test_a_failed_peer_has_null_figures_and_ratios_and_the_rest_stand() -> None:
 
 def test_a_gguf_run_records_into_its_own_block() -> None:
     args = parse_args(["--tierserve-path", "/models/x.Q4_1.gguf"])
-    assert figures(args, {}, None)["scenario"] == "peers-gguf"
-    assert figures(args, {}, None)["tierserve_path"] == "/models/x.Q4_1.gguf"
-    assert scenario_name(Precision.FP32, "default-q4_1") == "peers-fp32"  # the default pool path
-    assert scenario_name(Precision.BEST, "default") == "peers-float"
-    assert scenario_name(Precision.BEST, "/models/llama") == "peers-folder"
-    assert figures(parse_args([]), {}, None)["scenario"] == "peers"
+    assert figures(args, {}, None, ZEN4)["scenario"] == "peers-gguf"
+    assert figures(args, {}, None, ZEN4)["tierserve_path"] == "/models/x.Q4_1.gguf"
+    assert scenario_name(Precision.FP32, "default-q4_1", ZEN4) == "peers-fp32"  # the default pool path
+    assert scenario_name(Precision.BEST, "default", ZEN4) == "peers-float"
+    assert scenario_name(Precision.BEST, "/models/llama", ZEN4) == "peers-folder"
+
+
+def test_a_run_below_avx512_records_beside_the_avx512_one_and_a_capped_run_says_so() -> None:
+    avx2 = caps_from_flags(AVX2_FLAGS, "AMD EPYC 7B13")
+    assert scenario_name(Precision.FP32, "default", avx2) == "peers-fp32-float-avx2"
+    assert scenario_name(Precision.BEST, "default-q4_1", caps_from_flags({"sse4_1"})) == "peers-generic"
+    # TIERSERVE_CPU_ISA lowers our kernels only: not the same comparison as an AVX2 CPU's.
+    capped = caps_from_flags(ZEN4.flags, "AMD EPYC 9R14", override="avx2")
+    assert scenario_name(Precision.FP32, "default", capped) == "peers-fp32-float-avx2-capped"
+    capped_high = caps_from_flags(ZEN4.flags, "AMD EPYC 9R14", override="avx512")
+    assert scenario_name(Precision.FP32, "default", capped_high) == "peers-fp32-float-capped"
 
 
 def test_a_phase_with_a_failed_request_is_no_comparison() -> None:
