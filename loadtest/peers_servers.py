@@ -41,6 +41,14 @@ class Precision(Enum):
     FP32 = "fp32"  # tierserve and vLLM in float32 (llama.cpp stays on the GGUF's Q4_1)
 
 
+class ServerExited(RuntimeError):
+    """The server's process ended before it was ready (``returncode`` < 0: killed by that signal)."""
+
+    def __init__(self, name: str, returncode: int, log: str) -> None:
+        super().__init__(f"{name} exited with {returncode}:\n{log}")
+        self.returncode = returncode
+
+
 @dataclass(frozen=True, slots=True)
 class Launch:
     name: str  # "tierserve", "vllm", "llamacpp"
@@ -147,7 +155,7 @@ def _wait_healthy(process: subprocess.Popen[bytes], url: str, launch: Launch, lo
     with httpx.Client(timeout=5.0, trust_env=False) as client:
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"{launch.name} exited with {process.returncode}:\n{log_tail(log_path)}")
+                raise ServerExited(launch.name, process.returncode, log_tail(log_path))
             with suppress(httpx.TransportError):
                 if client.get(url).status_code == 200:
                     return
