@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wire.sampling import SamplingParams
 from worker.sampler import (
@@ -15,6 +17,7 @@ from worker.sampler import (
     TokenLogprobs,
     apply_allowed,
     apply_penalties,
+    argmax,
     make_generator,
 )
 
@@ -38,6 +41,18 @@ def test_greedy_equals_argmax() -> None:
     out = Sampler()(logits, [row(SamplingParams(temperature=0.0)) for _ in range(8)])
     assert out.token_ids == torch.argmax(logits, dim=-1).tolist()
     assert out.logprobs == [None] * 8
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 8), st.integers(2, 300), st.integers(0, 2**31 - 1))
+def test_our_argmax_is_torch_s_on_ties_nan_and_inf(num_rows: int, vocab: int, seed: int) -> None:
+    # A handful of values, so that rows tie often; some NaN and infinities.
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.tensor([0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan")])
+    weights = torch.tensor([8.0, 8.0, 4.0, 1.0, 1.0, 0.5])
+    index = torch.multinomial(weights, num_rows * vocab, replacement=True, generator=generator)
+    scores = values[index].view(num_rows, vocab)
+    assert argmax(scores).tolist() == torch.argmax(scores, dim=-1).tolist()
 
 
 def test_greedy_rows_in_a_mixed_batch_equal_argmax() -> None:
