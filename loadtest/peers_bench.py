@@ -53,7 +53,7 @@ from loadtest.runner import Bounds, run_load
 from loadtest.workloads import Api, Workload, WorkloadOptions
 from wire.config import DEFAULT_MODEL_PATH, ServerConfig
 from wire.tier import Tier
-from worker.cpu_isa import CpuCaps, IsaLevel, read_cpuinfo
+from worker.cpu_isa import CpuCaps, IsaLevel
 
 OURS = "tierserve"
 PEERS = ("vllm", "llamacpp")
@@ -303,7 +303,7 @@ def server_figures(result: ServerResult) -> dict[str, object]:
 
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles (whatever TIERSERVE_CPU_ISA says: the peers see the whole CPU)."""
-    return "amx_tile" in read_cpuinfo()[1]
+    return cpu_caps().native_level >= IsaLevel.AMX
 
 
 def scenario_name(precision: Precision, tierserve_path: str, caps: CpuCaps) -> str:

@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 
 from loadtest.launch import HOST, ROOT, free_port, log_tail, stop_server
+from loadtest.record import cpu_caps
 from wire.config import DEFAULT_MODEL_PATH
-from worker.cpu_isa import OVERRIDE_ENV, caps_from_flags, read_cpuinfo  # torch-free: /proc/cpuinfo
 
 MODEL = "smollm2-135m-instruct"  # the name every server is asked for
 KV_CACHE_GB = 4  # vLLM's VLLM_CPU_KVCACHE_SPACE, and tierserve's pool the same
@@ -67,9 +67,7 @@ def vllm_dtype(precision: Precision) -> str:
     """vLLM-CPU's fastest dtype here: bfloat16 where the CPU has native bf16, else float32."""
     if precision is Precision.FP32:
         return "float32"
-    model_name, flags = read_cpuinfo()
-    caps = caps_from_flags(flags, model_name, os.environ.get(OVERRIDE_ENV))
-    return "bfloat16" if caps.native_bf16 else "float32"
+    return "bfloat16" if cpu_caps().native_bf16 else "float32"
 
 
 def tierserve_launch(precision: Precision, workdir: Path, path: str = DEFAULT_MODEL_PATH) -> Launch:
