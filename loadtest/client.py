@@ -88,20 +88,19 @@ async def send(
     )
     body = msgspec.json.encode(request_body(spec, target.model, options))
     headers["content-type"] = "application/json"
+    url = api_url(target.base_url, options.api)
     try:
         async with asyncio.timeout(options.timeout_s):
-            async with client.stream(
-                "POST", api_url(target.base_url, options.api), content=body, headers=headers
-            ) as response:
-                record.status = response.status_code
-                record.tier = response.headers.get("x-sla-tier", record.tier)
-                if response.status_code != 200:
-                    text = (await response.aread())[:_ERROR_SNIPPET].decode("utf-8", errors="replace")
-                    _fail(record, _status_outcome(response.status_code), text, t0)
-                elif options.stream:
-                    await _read_stream(response, record, options.api, t0)
-                else:
-                    _read_whole(await response.aread(), record, options.api, t0)
+            try:
+                await _exchange(client, url, body, headers, record, options, t0)
+            except httpx.RemoteProtocolError:
+                if record.status is not None:
+                    raise
+                # Closed before any answer: a kept-alive connection the server had just closed (llama.cpp's
+                # server now and then, between one streamed answer and the next request). Nothing was
+                # answered, so the request goes once more; the wait stays in its TTFT.
+                record.num_retries += 1
+                await _exchange(client, url, body, headers, record, options, t0)
     except TimeoutError:
         _fail(record, Outcome.TIMEOUT, f"no complete answer within {options.timeout_s:g} s", t0)
     except httpx.TimeoutException as exc:
@@ -109,6 +108,27 @@ async def send(
     except httpx.HTTPError as exc:
         _fail(record, Outcome.TRANSPORT_ERROR, f"{type(exc).__name__}: {exc}", t0)
     return record
+
+
+async def _exchange(
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    record: RequestRecord,
+    options: RequestOptions,
+    t0: float,
+) -> None:
+    async with client.stream("POST", url, content=body, headers=headers) as response:
+        record.status = response.status_code
+        record.tier = response.headers.get("x-sla-tier", record.tier)
+        if response.status_code != 200:
+            text = (await response.aread())[:_ERROR_SNIPPET].decode("utf-8", errors="replace")
+            _fail(record, _status_outcome(response.status_code), text, t0)
+        elif options.stream:
+            await _read_stream(response, record, options.api, t0)
+        else:
+            _read_whole(await response.aread(), record, options.api, t0)
 
 
 def _status_outcome(status: int) -> Outcome:

@@ -103,6 +103,7 @@ class GroupSummary:
     num_requests: int
     num_ok: int
     outcomes: dict[str, int]  # Outcome value → count, every outcome listed
+    num_retried: int  # sent twice: the server closed the connection before answering (client.send)
     ttft_ms: LatencyStats
     tpot_ms: LatencyStats
     itl_ms: LatencyStats
@@ -151,6 +152,7 @@ def _group(
         num_requests=len(records),
         num_ok=len(ok),
         outcomes=outcomes,
+        num_retried=sum(r.num_retries > 0 for r in records),
         ttft_ms=LatencyStats.of_seconds(_present(ttft_s(r) for r in ok)),
         tpot_ms=LatencyStats.of_seconds(_present(tpot_s(r) for r in ok)),
         itl_ms=LatencyStats.of_seconds([gap for r in ok for gap in itls_s(r)]),

@@ -36,6 +36,7 @@ class RequestRecord:
     num_output_tokens: int | None = None  # from usage; else the number of text chunks
     num_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     error: str = ""
+    num_retries: int = 0  # sends after the first: a connection closed before any answer (client.send)
 
     @property
     def is_ok(self) -> bool:

@@ -141,6 +141,52 @@ def test_timeouts_and_refused_connections() -> None:
     assert record.outcome is Outcome.TIMEOUT  # the whole-answer bound
 
 
+CLOSED = "Server disconnected without sending a response."  # httpx's words for it
+
+
+def test_a_connection_closed_before_any_answer_is_sent_once_more() -> None:
+    """A kept-alive connection the server closed as the request went out (llama.cpp's server, now and
+    then): nothing was answered, so the request goes again; a second such close is the outcome."""
+    calls: list[int] = []
+    answer = sse(chat_chunk("a"), chat_chunk("bc", "length"), USAGE)
+
+    def closes_once(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError(CLOSED, request=request)
+        return httpx.Response(200, content=answer)
+
+    record = run_one(closes_once)
+    assert (record.outcome, record.num_retries, len(calls)) == (Outcome.OK, 1, 2)
+    assert record.num_output_tokens == 3
+
+    def always_closes(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        raise httpx.RemoteProtocolError(CLOSED, request=request)
+
+    calls.clear()
+    record = run_one(always_closes)
+    assert (record.outcome, record.status, len(calls)) == (Outcome.TRANSPORT_ERROR, None, 2)
+    assert "disconnected" in record.error
+
+
+def test_a_connection_lost_mid_answer_is_not_sent_again() -> None:
+    calls: list[int] = []
+
+    async def cut_off() -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"delta": {"content": "a"}, "finish_reason": null}]}\n\n'
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return httpx.Response(200, content=cut_off())
+
+    record = run_one(handler)
+    assert (record.outcome, record.status, record.num_retries, len(calls)) == (
+        Outcome.TRANSPORT_ERROR, 200, 0, 1,
+    )  # fmt: skip
+
+
 def test_non_streamed_answer() -> None:
     whole = {"choices": [{"message": {"content": "abc"}, "finish_reason": "length"}], "usage": USAGE["usage"]}
     record = run_one(lambda r: httpx.Response(200, json=whole), options(stream=False))
