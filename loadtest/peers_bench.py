@@ -28,14 +28,15 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest import peers_install
 from loadtest.arrivals import ArrivalKind, ArrivalSpec
 from loadtest.client import RequestOptions, Target
-from loadtest.metrics import GroupSummary, RunSummary, summarize
+from loadtest.metrics import RunSummary, summarize
+from loadtest.peers_figures import OURS, ServerResult, check_figures, figures, median_run
 from loadtest.peers_servers import (
     MODEL,
     Launch,
@@ -47,19 +48,16 @@ from loadtest.peers_servers import (
     vllm_launch,
 )
 from loadtest.prompt_text import PromptTokenizer, load_tokenizer
-from loadtest.record import cpu_caps, machine
+from loadtest.record import cpu_caps
 from loadtest.records import RequestRecord
 from loadtest.runner import Bounds, run_load
 from loadtest.workloads import Api, Workload, WorkloadOptions
 from wire.config import DEFAULT_MODEL_PATH, ServerConfig
 from wire.tier import Tier
-from worker.cpu_isa import CpuCaps, IsaLevel
+from worker.cpu_isa import IsaLevel
 
-OURS = "tierserve"
-PEERS = ("vllm", "llamacpp")
 ORDER = ("tierserve", "llamacpp", "vllm")  # vLLM starts slowest: last, so it starts only once
 CHECK_TOKENS = 8
-RATIO_DIGITS = 3
 
 
 def progress(message: str) -> None:
@@ -73,6 +71,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=128, help="per request (ignore_eos)")
     parser.add_argument("--num-single", type=int, default=4, help="single-stream requests")
     parser.add_argument("--concurrency", type=int, default=32, help="requests sent at once")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of single and concurrent each; the median counts"
+    )
     parser.add_argument("--mixed-s", type=float, default=60.0, help="mixed-tier arrivals, s (0: skip)")
     parser.add_argument("--load-factor", type=float, default=2.0, help="× the slowest's capacity")
     parser.add_argument("--check", action="store_true", help="only start each and ask for 8 tokens")
@@ -84,21 +85,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="tierserve's pool path: a folder, a .gguf file, 'default' (float weights); default: the pool's",
     )
     return parser.parse_args(argv)
-
-
-@dataclass(slots=True)
-class ServerResult:
-    """What one server did; a peer that failed has ``error`` and no figures."""
-
-    name: str
-    dtype: str | None = None
-    error: str | None = None
-    start_s: float | None = None  # from launch to its health endpoint answering 200
-    single: GroupSummary | None = None
-    concurrent: GroupSummary | None = None
-    mixed: RunSummary | None = None
-    check: GroupSummary | None = None
-    note: str | None = None  # how it ran, where that differs from the recipe (docs/benchmarks.md)
 
 
 @dataclass(slots=True)
@@ -180,8 +166,10 @@ class _Bench:
         result = asyncio.run(run_load([target], workload, arrivals, self.args.seed, bounds, options))
         return summarize(result.records, self.tiers, duration_of(result.records))
 
-    def workload(self, name: str, seed_offset: int, output_tokens: int) -> Workload:
-        options = WorkloadOptions(output_len=(output_tokens, output_tokens))
+    def workload(self, name: str, seed_offset: int, output_tokens: int, repeat: int = 0) -> Workload:
+        """The same lengths in every repeat, another text from the second on (no prefix reused)."""
+        variant = f"repeat-{repeat}" if repeat else ""
+        options = WorkloadOptions(output_len=(output_tokens, output_tokens), text_variant=variant)
         return Workload(name, self.tokenizer, Api.CHAT, self.args.seed + seed_offset, options)
 
     def check(self, base_url: str, result: ServerResult) -> None:
@@ -196,17 +184,18 @@ class _Bench:
         self.load(
             base_url, result.name, self.workload("chat", 2, args.output_tokens), closed, Bounds(1, None, 1)
         )
-        single = self.workload("chat", 0, args.output_tokens)
-        result.single = self.load(
-            base_url, result.name, single, closed, Bounds(args.num_single, None, 1)
-        ).overall
-        burst = self.workload("chat", 1, args.output_tokens)
-        bounds = Bounds(args.concurrency, None, args.concurrency)
-        result.concurrent = self.load(base_url, result.name, burst, closed, bounds).overall
-        progress(
-            f"{result.name}: single {result.single.output_tok_s:.1f} tok/s, "
-            f"concurrent {result.concurrent.output_tok_s:.1f} tok/s"
-        )
+        for repeat in range(args.repeats):
+            single = self.workload("chat", 0, args.output_tokens, repeat)
+            bounds = Bounds(args.num_single, None, 1)
+            result.single.append(self.load(base_url, result.name, single, closed, bounds).overall)
+            burst = self.workload("chat", 1, args.output_tokens, repeat)
+            bounds = Bounds(args.concurrency, None, args.concurrency)
+            result.concurrent.append(self.load(base_url, result.name, burst, closed, bounds).overall)
+            single_tok_s, burst_tok_s = result.single[-1].output_tok_s, result.concurrent[-1].output_tok_s
+            progress(
+                f"{result.name}: run {repeat + 1}/{args.repeats}: single {single_tok_s:.1f} tok/s, "
+                f"concurrent {burst_tok_s:.1f} tok/s"
+            )
 
     def mixed(self, base_url: str, result: ServerResult) -> None:
         if self.rate is None:
@@ -261,143 +250,11 @@ def duration_of(records: list[RequestRecord]) -> float:
 
 def mixed_rate(results: Iterable[ServerResult], load_factor: float) -> float | None:
     """``load_factor`` × the lowest concurrent capacity (requests/s) among the servers that have one."""
-    capacities = [
-        r.concurrent.request_s
-        for r in results
-        if r.error is None and r.concurrent is not None and r.concurrent.request_s > 0
-    ]
+    medians = [median_run(r.concurrent) for r in results if r.error is None]
+    capacities = [m.request_s for m in medians if m is not None and m.request_s > 0]
     return round(load_factor * min(capacities), 3) if capacities else None
-
-
-def ratio(ours: float | None, theirs: float | None) -> float | None:
-    """ours ÷ theirs, rounded; None when either is missing (or theirs is zero)."""
-    if ours is None or theirs is None or theirs == 0:
-        return None
-    return round(ours / theirs, RATIO_DIGITS)
-
-
-def server_figures(result: ServerResult) -> dict[str, object]:
-    """One server's figures; a failed or skipped phase gives nulls."""
-    out: dict[str, object] = {"dtype": result.dtype, "start_s": result.start_s}
-    if result.note is not None:
-        out["note"] = result.note
-    if result.error is not None:
-        out["error"] = result.error
-    single, concurrent = _usable(result.single), _usable(result.concurrent)
-    out["single_tok_s"] = _round(single.output_tok_s if single else None)
-    out["single_tpot_ms"] = _round(single.tpot_ms.p50 if single else None)
-    out["single_ttft_ms"] = _round(single.ttft_ms.p50 if single else None)
-    out["concurrent_tok_s"] = _round(concurrent.output_tok_s if concurrent else None)
-    out["concurrent_tpot_p50_ms"] = _round(concurrent.tpot_ms.p50 if concurrent else None)
-    out["concurrent_ttft_p50_ms"] = _round(concurrent.ttft_ms.p50 if concurrent else None)
-    out["concurrent_req_s"] = _round(concurrent.request_s if concurrent else None)
-    for label, group in (("single", result.single), ("concurrent", result.concurrent)):
-        if group is not None:
-            out[f"{label}_ok"] = f"{group.num_ok}/{group.num_requests}"
-            out[f"{label}_output_tokens"] = group.num_output_tokens
-    if result.mixed is not None:
-        out["mixed_output_tok_s"] = _round(result.mixed.overall.output_tok_s)
-        out["mixed_tiers"] = {name: _tier_figures(g) for name, g in result.mixed.tiers.items()}
-    return out
 
 
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles (whatever TIERSERVE_CPU_ISA says: the peers see the whole CPU)."""
     return cpu_caps().native_level >= IsaLevel.AMX
-
-
-def scenario_name(precision: Precision, tierserve_path: str, caps: CpuCaps) -> str:
-    """The docs block a run records into: peers (or peers-fp32) when tierserve serves its default
-    pool path, -float when it serves the float folder ("default"), -gguf another GGUF file, -folder
-    another folder. A CPU below AVX-512 adds its class (-avx2, -generic), so that its run records
-    beside an AVX-512 one, not over it; so does TIERSERVE_CPU_ISA, with -capped: it lowers tierserve's
-    kernels only, the peers still use the whole CPU."""
-    name = "peers" if precision is Precision.BEST else "peers-fp32"
-    if tierserve_path == "default":
-        name += "-float"
-    elif tierserve_path != DEFAULT_MODEL_PATH:
-        name += "-gguf" if tierserve_path.endswith(".gguf") else "-folder"
-    if caps.level < IsaLevel.AVX512:
-        name += "-avx2" if caps.level == IsaLevel.AVX2 else "-generic"
-    return name + ("-capped" if caps.is_overridden else "")
-
-
-def figures(
-    args: argparse.Namespace, results: Mapping[str, ServerResult], rate: float | None, caps: CpuCaps
-) -> dict[str, object]:
-    precision = Precision(args.precision)
-    out: dict[str, object] = {
-        "scenario": scenario_name(precision, args.tierserve_path, caps),  # --record's block
-        "model": MODEL,
-        "precision": precision.value,
-        "tierserve_path": args.tierserve_path,  # its pool's path: default-q4_1 (the GGUF), default (float)
-        "cpu": machine(),
-        "workload": (
-            f"streamed chat, greedy, ignore_eos, {args.output_tokens} output tokens each; single: "
-            f"1 warm-up + {args.num_single} one at a time; concurrent: {args.concurrency} at once; "
-            f"mixed-tiers: Poisson at {args.load_factor:g}x the slowest's capacity for {args.mixed_s:g} s"
-        ),
-        "seed": args.seed,
-        "mixed_rate_req_s": rate,
-        "peers": peer_versions(),
-    }
-    per_server = {name: server_figures(result) for name, result in results.items()}
-    out.update(per_server)
-    ours = per_server.get(OURS, {})
-    for peer in PEERS:
-        theirs = per_server.get(peer, {})
-        for figure in ("single", "concurrent"):
-            out[f"{figure}_ratio_vs_{peer}"] = ratio(
-                _number(ours.get(f"{figure}_tok_s")), _number(theirs.get(f"{figure}_tok_s"))
-            )
-    return out
-
-
-def peer_versions() -> dict[str, str]:
-    i = peers_install
-    return {
-        "vllm": f"{i.VLLM_PACKAGE} {i.VLLM_VERSION}, torch {i.TORCH_VERSION}",
-        "llamacpp": f"llama-server from the {i.LLAMACPP_PACKAGE} {i.LLAMACPP_VERSION} sdist",
-    }
-
-
-def check_figures(results: Mapping[str, ServerResult]) -> dict[str, object]:
-    out: dict[str, object] = {"scenario": "peers-check", "model": MODEL, "cpu": machine()}
-    for name, result in results.items():
-        check = result.check
-        entry: dict[str, object] = {
-            "dtype": result.dtype,
-            "start_s": result.start_s,
-            "error": result.error,
-            "answered": check is not None and check.num_ok == 1,
-            "output_tokens": check.num_output_tokens if check is not None else None,
-            "ttft_ms": _round(check.ttft_ms.p50) if check is not None else None,
-        }
-        if result.note is not None:
-            entry["note"] = result.note
-        out[name] = entry
-    return out
-
-
-def _usable(group: GroupSummary | None) -> GroupSummary | None:
-    """A phase counts only when every request of it succeeded: a partial run is no comparison."""
-    return group if group is not None and group.num_requests and group.num_ok == group.num_requests else None
-
-
-def _tier_figures(group: GroupSummary) -> dict[str, object]:
-    return {
-        "requests": group.num_requests,
-        "ok": group.num_ok,
-        "slo_attainment": _round(group.slo_attainment),
-        "ttft_p50_ms": _round(group.ttft_ms.p50),
-        "ttft_p90_ms": _round(group.ttft_ms.p90),
-        "tpot_p50_ms": _round(group.tpot_ms.p50),
-    }
-
-
-def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) else None
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 2)

@@ -13,7 +13,8 @@ import pytest
 
 from loadtest import peers_bench
 from loadtest.launch import free_port
-from loadtest.peers_bench import ServerResult, _Bench, parse_args, server_figures
+from loadtest.peers_bench import _Bench, parse_args
+from loadtest.peers_figures import ServerResult, server_figures
 from loadtest.peers_servers import Launch, Precision
 
 pytestmark = pytest.mark.timeout(60)
