@@ -6,12 +6,10 @@ outside (``step()``), by the worker daemon or by ``generate()`` in-process.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,23 +19,17 @@ from wire.errors import InvalidRequestError
 from wire.prompt import check_prompt
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
-from worker.devices import resolve_device
+from worker.engine_loader import load_model
 from worker.kv_cache import KVCacheManager
-from worker.model_runner import ModelRunner, StepRunner, build_model_runner
+from worker.model_runner import StepRunner
 from worker.models.config import ModelConfig
-from worker.models.gguf_model import is_gguf_folder
-from worker.models.hf_quant import is_hf_quantized_folder
-from worker.models.quant import is_quantized
-from worker.models.quant_check import CALIBRATION_TEXT, check_at_load
-from worker.models.store import resolve_model
 from worker.outputs import Completion, RequestOutput
 from worker.policy_set import WorkerPolicies
-from worker.precision import resolve_dtype
 from worker.request import FinishReason, Request, TierRef
 from worker.request_state import RequestState
 from worker.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
 from worker.scheduler import Scheduler, SchedulerConfig
-from worker.structured import GrammarCompiler, GrammarError, Matcher
+from worker.structured import GrammarError, GrammarQueue
 from worker.tracing import NULL_OBSERVER, NullObserver
 
 log = logging.getLogger(__name__)
@@ -84,8 +76,7 @@ class Engine:
         self._states: dict[str, RequestState] = {}
         # Structured outputs: grammars compile on their own thread; a request enters the scheduler
         # once its grammar is ready (worker/structured.py).
-        self._grammars: GrammarCompiler | None = None
-        self._compiling: dict[str, Future[Matcher]] = {}
+        self.grammars = GrammarQueue(tokenizer, model_config.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         # Each quantized linear's output error against its exact weight, measured at load (quant_check)
         self.quant_layer_errors: dict[str, float] = {}
@@ -94,27 +85,12 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, policies: WorkerPolicies | None = None) -> Engine:
-        """Load the model named by ``config.model`` (a folder, or the embedded default) and its tokenizer."""
-        from transformers import AutoTokenizer
-
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        config = resolve_device(config)
-        model_path = resolve_model(config.model)
-        is_quantized_folder = is_gguf_folder(model_path) or is_hf_quantized_folder(model_path)
-        quantized = is_quantized_folder or config.quantization != "none"
-        if quantized and config.dtype == "auto" and config.device == "cpu":
-            # quantized linears compute in float32 on CPU, and the fused decode layer takes a float32
-            # cache (the Triton kernel on a GPU takes x in the model's dtype)
-            log.info("dtype: float32 (quantized linears compute in float32)")
-            config = dataclasses.replace(config, dtype="float32")
-        config = resolve_dtype(config)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        runner, model_config, num_blocks = build_model_runner(config, model_path)
-        engine = cls(config, tokenizer, runner, model_config, num_blocks, policies)
-        if isinstance(runner, ModelRunner) and is_quantized(runner.model):
-            ids = tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
-            engine.quant_layer_errors = check_at_load(runner.model, ids)
+        """Load the model named by ``config.model`` (a folder, or the embedded default) and its
+        tokenizer (worker/engine_loader.py)."""
+        loaded = load_model(config)
+        tokenizer, runner = loaded.tokenizer, loaded.runner
+        engine = cls(loaded.config, tokenizer, runner, loaded.model_config, loaded.num_kv_blocks, policies)
+        engine.quant_layer_errors = loaded.quant_layer_errors
         return engine
 
     # ---- requests in -------------------------------------------------------------------------
@@ -181,30 +157,18 @@ class Engine:
         if params.structured is None:
             self.scheduler.add(request)
         else:
-            self._compiling[request_id] = self.grammars.submit(params.structured)
+            self.grammars.submit(request_id, params.structured)
         return request_id
-
-    @property
-    def grammars(self) -> GrammarCompiler:
-        if self._grammars is None:
-            vocab = self.model_config.vocab_size
-            self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
-        return self._grammars
 
     def _take_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar is ready enter the scheduler (having consumed the output a resumed
         request already has); those whose grammar failed end with the error."""
         failed = []
-        for request_id, future in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[request_id]
+        for request_id, matcher in self.grammars.take_ready():
             state = self._states[request_id]
             request = state.request
-            try:
-                matcher = future.result()
-            except GrammarError as exc:
-                failed.append(self._finish(request, FinishReason.ERROR, error=str(exc)))
+            if isinstance(matcher, GrammarError):
+                failed.append(self._finish(request, FinishReason.ERROR, error=str(matcher)))
                 continue
             num_seen = state.num_seen
             if num_seen and not all(matcher.accept(t) for t in request.prompt_token_ids[-num_seen:]):
@@ -234,9 +198,7 @@ class Engine:
         """Drop a request wherever it is (its grammar still compiling included: the observer hears of
         it either way); its blocks go back to the pool. False if unknown."""
         self.observer.on_abort(request_id)
-        compiling = self._compiling.pop(request_id, None)
-        if compiling is not None:
-            compiling.cancel()
+        if self.grammars.cancel(request_id):
             return self._states.pop(request_id, None) is not None
         self._states.pop(request_id, None)
         return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
@@ -246,9 +208,7 @@ class Engine:
         tokens, ``reason``, the usage it had (zeros for an id the engine does not know)."""
         request = self.scheduler.requests.get(request_id)
         self.observer.on_abort(request_id)
-        compiling = self._compiling.pop(request_id, None)
-        if compiling is not None:
-            compiling.cancel()
+        self.grammars.cancel(request_id)
         if request is None:
             state = self._states.pop(request_id, None)
             owner = None if state is None else state.owner
@@ -256,7 +216,7 @@ class Engine:
         return self._finish(request, reason, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._compiling)
+        return self.scheduler.num_unfinished > 0 or bool(self.grammars)
 
     def stats(self) -> EngineStats:
         """The counters a worker reports in its heartbeats."""
@@ -278,10 +238,10 @@ class Engine:
         """One scheduled step: the runner computes it, the scheduler advances, the sampled tokens are
         processed; what each request got (finished ones included)."""
         start = time.perf_counter()
-        failed = self._take_compiled() if self._compiling else []
+        failed = self._take_compiled() if self.grammars else []
         out = self.scheduler.schedule()
         if out.is_empty:
-            if failed or not self._compiling:
+            if failed or not self.grammars:
                 return failed
             time.sleep(0.001)  # only grammars compiling: wait for them without spinning a core
             return []

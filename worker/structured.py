@@ -129,3 +129,56 @@ class GrammarCompiler:
                 raise GrammarError("structured_outputs", f"not available for this model: {exc}") from None
             log.info("structured outputs: grammar tokenizer ready (%d tokens)", self.vocab_size)
         return self._tokenizer
+
+
+class GrammarQueue:
+    """One engine's structured-output requests whose grammar is compiling (``submit``), handed back
+    done in submission order (``take_ready``). The compiler starts on the first grammar: llguidance's
+    tokenizer takes about a second to build, and most engines never need it."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
+        self._compiler: GrammarCompiler | None = None
+        self._pending: dict[str, Future[Matcher]] = {}
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._eos)
+        return self._compiler
+
+    @property
+    def num_words(self) -> int:
+        """int32 words in one row of the mask."""
+        return self.compiler.num_words
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def submit(self, request_id: str, structured: StructuredOutput) -> None:
+        self._pending[request_id] = self.compiler.submit(structured)
+
+    def cancel(self, request_id: str) -> bool:
+        """Forget a request still compiling; False when it is not."""
+        future = self._pending.pop(request_id, None)
+        if future is None:
+            return False
+        future.cancel()
+        return True
+
+    def take_ready(self) -> list[tuple[str, Matcher | GrammarError]]:
+        """The requests whose grammar is done, in submission order: its matcher, or why it failed."""
+        done: list[tuple[str, Matcher | GrammarError]] = []
+        for request_id, future in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[request_id]
+            try:
+                done.append((request_id, future.result()))
+            except GrammarError as exc:
+                done.append((request_id, exc))
+        return done
+
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown()

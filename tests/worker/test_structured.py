@@ -5,6 +5,7 @@ the plain ones' greedy tokens, and a grammar the engine refuses ends only its ow
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +16,7 @@ from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.models.store import pull_default_model
 from worker.request import FinishReason
+from worker.structured import GrammarError, GrammarQueue, Matcher
 from worker.tracing import NULL_OBSERVER, NullObserver
 
 pytestmark = [pytest.mark.slow, pytest.mark.isa]
@@ -116,3 +118,28 @@ def test_aborting_a_request_whose_grammar_compiles_tells_the_observer(engine: En
         assert not engine.has_unfinished() and engine.abort(request_id) is False
     finally:
         engine.observer = NULL_OBSERVER
+
+
+def test_the_grammar_queue_hands_grammars_back_in_order_failures_as_values(engine: Engine) -> None:
+    queue = GrammarQueue(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+    try:
+        assert not queue and queue.cancel("unknown") is False
+        for request_id, kind, spec in [
+            ("bad", "regex", "(a+"),
+            ("choice", "choice", json.dumps(["yes", "no"])),
+            ("dropped", "regex", "[0-9]+"),
+        ]:
+            structured = params(kind, spec).structured
+            assert structured is not None
+            queue.submit(request_id, structured)
+        assert len(queue) == 3 and queue.cancel("dropped") and len(queue) == 2
+        done: list[tuple[str, Matcher | GrammarError]] = []
+        deadline = time.monotonic() + 120  # one compile thread: the tokenizer first (about a second)
+        while queue and time.monotonic() < deadline:
+            done += queue.take_ready()
+            time.sleep(0.01)
+        assert [request_id for request_id, _ in done] == ["bad", "choice"]
+        assert isinstance(done[0][1], GrammarError) and "structured_outputs.regex" in str(done[0][1])
+        assert isinstance(done[1][1], Matcher) and not queue.take_ready()
+    finally:
+        queue.shutdown()
