@@ -13,7 +13,6 @@ are gateway/choice_streams.py.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -28,6 +27,7 @@ from starlette.types import Receive
 from gateway import errors
 from gateway.admission import Shed, Ticket
 from gateway.choice_streams import ChoiceStreams
+from gateway.completion_spans import ChoiceProgress, response_attributes, route_attributes
 from gateway.errors import APIError
 from gateway.identity import Identity
 from gateway.openai_api import ChoiceResult, Renderer, UsageInfo, finish_reason
@@ -36,7 +36,7 @@ from gateway.sse import DONE, ClientDisconnected, EventStreamResponse, event, un
 from gateway.state import Gateway
 from telemetry import attributes as attr
 from telemetry import inject
-from wire.messages import TokenDelta, TokenLogprob, Usage
+from wire.messages import TokenDelta, Usage
 from wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -76,18 +76,6 @@ class Job:
         if self.is_degraded:
             headers["x-degraded"] = "true"
         return headers
-
-
-@dataclass(slots=True)
-class _Progress:
-    """Per choice: what the client has been sent, for the body, usage and latency metrics."""
-
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    last: TokenDelta | None = None
-    num_tokens: int = 0
-    first_at: float | None = None
-    last_at: float | None = None
 
 
 async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
@@ -137,18 +125,6 @@ async def respond(gateway: Gateway, job: Job, receive: Receive) -> Response:
     )
 
 
-def _route_attributes(stream: RequestStream) -> dict[str, str | int | list[str] | list[float]]:
-    """The routing decision: the worker, and the candidates with the scores the policy weighed."""
-    attributes: dict[str, str | int | list[str] | list[float]] = {attr.WORKER: stream.worker_id}
-    if stream.route_scores:
-        candidates = sorted(stream.route_scores)
-        attributes[attr.ROUTE_CANDIDATES] = candidates
-        attributes[attr.ROUTE_SCORES] = [stream.route_scores[w] for w in candidates]
-    if stream.expected_cached_tokens is not None:
-        attributes[attr.ROUTE_CACHED_TOKENS] = stream.expected_cached_tokens
-    return attributes
-
-
 def _status_of(exc: BaseException) -> str:
     if isinstance(exc, APIError):
         return str(exc.status)
@@ -167,7 +143,7 @@ class _Run:
         self.span = span  # the server span: the response's attributes go on it in ``finish``
         self.capture_content = gateway.telemetry.capture_content and span.is_recording()
         self.streams: list[RequestStream] = []  # every choice's, for the span: worker and epoch at the end
-        self.progress = [_Progress() for _ in job.choices]
+        self.progress = [ChoiceProgress() for _ in job.choices]
         self.deadline = asyncio.get_running_loop().time() + gateway.config.gateway.request_timeout_s
         self._finished = False
 
@@ -228,7 +204,7 @@ class _Run:
                     arrival_time=time.time() - (time.monotonic() - job.arrival),
                 )
                 if route.is_recording():
-                    route.set_attributes(_route_attributes(stream))
+                    route.set_attributes(route_attributes(stream))
             span.set_attribute(attr.WORKER, stream.worker_id)
         self.streams.append(stream)
         return stream
@@ -327,7 +303,18 @@ class _Run:
         labels = (self.job.model, self.job.identity.tier.name)
         metrics.requests.inc(*labels, status)
         if self.span.is_recording():
-            self._record_response()
+            job = self.job
+            self.span.set_attributes(
+                response_attributes(
+                    job.model,
+                    job.renderer.request_id,
+                    self.usage(),
+                    self.progress,
+                    self.streams,
+                    job.arrival,
+                    self.capture_content,
+                )
+            )
         if status != "200":
             return
         metrics.e2e.observe(*labels, value=time.monotonic() - self.job.arrival)
@@ -341,28 +328,6 @@ class _Run:
         metrics.prompt_tokens.inc(*labels, amount=usage.prompt_tokens)
         metrics.output_tokens.inc(*labels, amount=usage.completion_tokens)
         metrics.cached_tokens.inc(*labels, amount=usage.prompt_tokens_details.cached_tokens)
-
-    def _record_response(self) -> None:
-        """The GenAI response attributes on the server span (usage as far as it got, whatever the end)."""
-        usage = self.usage()
-        reasons = [(p.last.finish_reason if p.last else None) or "none" for p in self.progress]
-        workers = list(dict.fromkeys(stream.worker_id for stream in self.streams))
-        first = min((p.first_at for p in self.progress if p.first_at is not None), default=None)
-        self.span.set_attributes({
-            attr.GEN_AI_RESPONSE_MODEL: self.job.model,
-            attr.GEN_AI_RESPONSE_ID: self.job.renderer.request_id,
-            attr.GEN_AI_USAGE_INPUT_TOKENS: usage.prompt_tokens,
-            attr.GEN_AI_USAGE_OUTPUT_TOKENS: usage.completion_tokens,
-            attr.GEN_AI_RESPONSE_FINISH_REASONS: reasons,
-            attr.CACHED_TOKENS: usage.prompt_tokens_details.cached_tokens,
-            attr.WORKER: ",".join(workers),
-            attr.MIGRATIONS: sum(stream.epoch for stream in self.streams),  # each move is epoch + 1
-        })  # fmt: skip
-        if first is not None:
-            self.span.set_attribute(attr.TIME_TO_FIRST_TOKEN, first - self.job.arrival)
-        if self.capture_content:
-            texts = ["".join(p.text) for p in self.progress]
-            self.span.set_attribute(attr.GEN_AI_OUTPUT_MESSAGES, json.dumps(texts))
 
 
 def _request_attributes(job: Job) -> dict[str, str | bool | int | float]:
