@@ -11,6 +11,7 @@ requests through the same client (streamed chat, greedy, ``ignore_eos`` so each 
 
 1. single stream: a warm-up request, then ``--num-single`` requests one at a time;
 2. concurrent: ``--concurrency`` requests sent at once;
+   both ``--repeats`` times (new prompt texts each time), the median run counting (peers_figures);
 3. mixed tiers: the ``mixed-tiers`` workload (outputs ``--output-tokens``) as a Poisson process at
    ``--load-factor`` × the slowest server's concurrent capacity (requests/s) for ``--mixed-s``; the
    tier rides in ``X-SLA-Tier`` (tierserve) and in the body's ``priority`` (vLLM, started with
@@ -64,6 +65,13 @@ def progress(message: str) -> None:
     print(f"[peers] {message}", file=sys.stderr, flush=True)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tierserve bench peers", description=__doc__)
     parser.add_argument("--precision", choices=[p.value for p in Precision], default="best")
@@ -72,7 +80,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--num-single", type=int, default=4, help="single-stream requests")
     parser.add_argument("--concurrency", type=int, default=32, help="requests sent at once")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="runs of single and concurrent each; the median counts"
+        "--repeats", type=_at_least_one, default=3, help="runs of single and concurrent; the median counts"
     )
     parser.add_argument("--mixed-s", type=float, default=60.0, help="mixed-tier arrivals, s (0: skip)")
     parser.add_argument("--load-factor", type=float, default=2.0, help="× the slowest's capacity")

@@ -21,7 +21,9 @@ def test_defaults_follow_the_issue() -> None:
     assert parse_args(["--servers", "vllm"]).servers == ["vllm"]
 
 
-@pytest.mark.parametrize("argv", [["--precision", "fp16"], ["--servers", "sglang"]])
+@pytest.mark.parametrize(
+    "argv", [["--precision", "fp16"], ["--servers", "sglang"], ["--repeats", "0"], ["--repeats", "x"]]
+)
 def test_unknown_choices_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(argv)
