@@ -71,7 +71,8 @@ def server_figures(result: ServerResult) -> dict[str, object]:
         out["note"] = result.note
     if result.error is not None:
         out["error"] = result.error
-    single, concurrent = median_run(result.single), median_run(result.concurrent)
+    chosen = {label: median_run(result.phase(label)) for label in PHASES}
+    single, concurrent = chosen["single"], chosen["concurrent"]
     out["single_tok_s"] = _round(single.output_tok_s if single else None)
     out["single_tpot_ms"] = _round(single.tpot_ms.p50 if single else None)
     out["single_ttft_ms"] = _round(single.ttft_ms.p50 if single else None)
@@ -84,8 +85,8 @@ def server_figures(result: ServerResult) -> dict[str, object]:
         if not runs:
             continue
         out[f"{label}_ok"] = f"{sum(g.num_ok for g in runs)}/{sum(g.num_requests for g in runs)}"
-        chosen = median_run(runs)
-        out[f"{label}_output_tokens"] = chosen.num_output_tokens if chosen else None
+        median = chosen[label]
+        out[f"{label}_output_tokens"] = median.num_output_tokens if median else None
         out[f"{label}_tok_s_runs"] = [_round(g.output_tok_s) if usable(g) else None for g in runs]
         retried = sum(g.num_retried for g in runs)
         if retried:
