@@ -42,7 +42,7 @@ def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return load_linear_kernel(isa, tmp_path_factory.mktemp("kernels"))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 33, 259])  # 259: AVX-512 row blocks of 128
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 33, 200, 259])  # 259: two passes over w, 136 + 123
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 5), (4, 16), (13, 37), (64, 576), (7, 1536), (130, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_equals_reference(kernel: CpuLinearKernel, rows: int, n: int, k: int, with_bias: bool) -> None:
@@ -72,7 +72,7 @@ def test_both_isas_give_the_same_bits(rows: int, tmp_path_factory: pytest.TempPa
     assert torch.equal(wide.linear(x, weight, bias), narrow.linear(x, weight, bias))
 
 
-@pytest.mark.parametrize("rows", [2, 130])  # 130: two blocks of rows, the first prefetching for the second
+@pytest.mark.parametrize("rows", [2, 260])  # 260: two passes of rows, the first prefetching for the second
 def test_any_thread_count_gives_the_same_bits(kernel: CpuLinearKernel, rows: int) -> None:
     """The panels are split among the threads (six here, the last partial: uneven at 4 threads, none
     left for two of 8); each output is summed by one thread alone, so the split moves no bit."""
