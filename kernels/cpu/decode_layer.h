@@ -217,7 +217,10 @@ static inline __attribute__((always_inline)) void attend_group_body(const float 
     /* Each key's offset into its plane, this chunk's and the next's: key t is row t % bs of block
      * table[t / bs], walked a key at a time. The next chunk's keys and values are prefetched into L1
      * a key at a time beside this chunk's (the cache's blocks are scattered pages, where the hardware
-     * prefetcher stops at each block's end). */
+     * prefetcher stops at each block's end). The next keys are spread over the G heads' dot loops
+     * (key j in head j % G's), not all in the first: 64 lines at once there filled the core's line
+     * fill buffers while the other heads' loops issued none (32-row decode step, ~190-token contexts,
+     * 2-core Intel Xeon AVX-512: 58.5 -> 57.0 ms, medians of three alternations; AVX2 level). */
     int64_t rows_a[VL], rows_b[VL], *rows = rows_a, *next = rows_b;
     int64_t blk = t0 / bs, off = t0 % bs;
     const int64_t lines = (d * (int64_t)sizeof(WKV) + 63) / 64;
@@ -238,7 +241,7 @@ static inline __attribute__((always_inline)) void attend_group_body(const float 
             for (int64_t j = 0; j < VL; j++) dots[j] = VZERO();
             for (int64_t j = 0; j < n; j++) {
                 const WKV *key = kbase + rows[j];
-                if (h == 0 && j < n_next)
+                if (j % group == h && j < n_next)
                     for (int64_t l = 0; l < lines; l++)
                         _mm_prefetch((const char *)(kbase + next[j]) + 64 * l, _MM_HINT_T0);
                 vf a = VZERO();
