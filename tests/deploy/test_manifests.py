@@ -43,6 +43,7 @@ from tests.deploy.kube import (
     secret_data,
     selects,
 )
+from tests.wire.registers import cpu_register
 from tierserve import cli as tierserve_cli
 from wire.config import ServerConfig, load_config
 from wire.curve import load_authorized_keys, load_key_pair
@@ -225,9 +226,7 @@ async def ask_app(config: ServerConfig, model: str, paths: list[str]) -> dict[st
 
 
 def register(model: str) -> Register:
-    return Register(worker_id=f"{WORKER}-0", model=model, dtype="float32", device="cpu", num_kv_blocks=64,
-                    block_size=16, kv_capacity_tokens=1024, max_model_len=2048, max_num_seqs=4,
-                    vocab_size=300, pid=1)  # fmt: skip
+    return cpu_register(f"{WORKER}-0", model=model, max_model_len=2048, vocab_size=300)
 
 
 def test_the_grace_period_covers_the_drain(rendered: Rendered, config: ServerConfig) -> None:

@@ -13,6 +13,7 @@ from gateway.app import create_app
 from gateway.dispatch import Dispatcher
 from gateway.state import Gateway
 from gateway.tokenizer import BytePromptBuilder
+from tests.wire.registers import cpu_register
 from wire.config import ServerConfig
 from wire.messages import Register
 
@@ -22,9 +23,7 @@ CONTEXT = 128
 
 
 def register(vocab_size: int) -> Register:
-    return Register(worker_id="mock-0", model="mock", dtype="float32", device="cpu", num_kv_blocks=64,
-                    block_size=16, kv_capacity_tokens=1024, max_model_len=CONTEXT, max_num_seqs=4,
-                    vocab_size=vocab_size, pid=1)  # fmt: skip
+    return cpu_register("mock-0", model="mock", max_model_len=CONTEXT, vocab_size=vocab_size)
 
 
 def post(path: str, body: dict[str, object], *, vocab_size: int = 300) -> httpx.Response:

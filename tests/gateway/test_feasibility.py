@@ -8,15 +8,16 @@ import pytest
 
 from gateway.feasibility import FeasibilityLog, feasible_by_tier
 from gateway.workers import WorkerRegistry, WorkerState
+from tests.wire.registers import cpu_register
 from wire.messages import Register
 from wire.tier import DEFAULT_TIERS
 
 
 def register(worker_id: str, decode_ms: float | None, *, model: str = "m", pid: int = 1) -> Register:
-    return Register(worker_id=worker_id, model=model, dtype="float32", device="cpu", num_kv_blocks=64,
-                    block_size=16, kv_capacity_tokens=1024, max_model_len=4096, max_num_seqs=4,
-                    step_floor_ms=decode_ms, prefill_ms_per_token=None if decode_ms is None else 1.0,
-                    pid=pid)  # fmt: skip
+    prefill_ms = None if decode_ms is None else 1.0
+    return cpu_register(
+        worker_id, model=model, pid=pid, step_floor_ms=decode_ms, prefill_ms_per_token=prefill_ms
+    )
 
 
 def test_each_worker_process_is_reported_once_and_an_infeasible_tier_is_a_warning(

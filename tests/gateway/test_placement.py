@@ -21,6 +21,7 @@ from gateway.workers import RoutingError, WorkerRegistry
 from policies.base import NoParams
 from policies.degradation import DegradationView, Pool
 from policies.routing import RoundRobin, RouteRequest, WorkerView
+from tests.wire.registers import cpu_register
 from wire.config import ConfigError, load_config
 from wire.messages import Register
 
@@ -53,18 +54,8 @@ degradation = "degrade-on-slo"
 
 
 def register(worker_id: str, model: str) -> Register:
-    return Register(
-        worker_id=worker_id,
-        model=model,
-        dtype="float32",
-        device="cpu",
-        num_kv_blocks=100,
-        block_size=16,
-        kv_capacity_tokens=1600,
-        max_model_len=512 if model == "small" else 4096,
-        max_num_seqs=1,
-        pid=1,
-    )
+    context = 512 if model == "small" else 4096
+    return cpu_register(worker_id, model=model, num_kv_blocks=100, max_model_len=context, max_num_seqs=1)
 
 
 async def make_gateway(tmp_path: Path, *, same_tokenizer: bool = True) -> Gateway:

@@ -16,6 +16,7 @@ from gateway.in_flight import InFlightTable
 from gateway.request_stream import InFlight, WorkerRejected
 from gateway.worker_messages import WorkerMessages
 from gateway.workers import WorkerRegistry, WorkerState
+from tests.wire.registers import cpu_register
 from wire.codec import encode
 from wire.messages import (
     Abort,
@@ -37,18 +38,7 @@ MODEL = "mock"
 
 
 def _register(worker_id: str, pid: int = 1) -> Register:
-    return Register(
-        worker_id=worker_id,
-        model=MODEL,
-        dtype="float32",
-        device="cpu",
-        num_kv_blocks=16,
-        block_size=16,
-        kv_capacity_tokens=256,
-        max_model_len=4096,
-        max_num_seqs=4,
-        pid=pid,
-    )
+    return cpu_register(worker_id, model=MODEL, num_kv_blocks=16, pid=pid)
 
 
 def _delta(request_id: str, epoch: int, token_ids: list[int], finish_reason: str | None = None) -> TokenDelta:

@@ -8,22 +8,12 @@ import msgspec
 
 from gateway.workers import WorkerRegistry, WorkerState
 from policies.routing import RouteRequest
+from tests.wire.registers import cpu_register
 from wire.messages import DrainNotice, Heartbeat, Register, WorkerStats
 
 
 def _register(worker_id: str, *, model: str = "m", pid: int = 1) -> Register:
-    return Register(
-        worker_id=worker_id,
-        model=model,
-        dtype="float32",
-        device="cpu",
-        num_kv_blocks=100,
-        block_size=16,
-        kv_capacity_tokens=1600,
-        max_model_len=4096,
-        max_num_seqs=8,
-        pid=pid,
-    )
+    return cpu_register(worker_id, model=model, num_kv_blocks=100, max_num_seqs=8, pid=pid)
 
 
 def _heartbeat(
