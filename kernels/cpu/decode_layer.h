@@ -239,9 +239,9 @@ static inline __attribute__((always_inline)) void attend_group_body(const float 
             const float *q = q0 + h * d;
             vf dots[VL];
             for (int64_t j = 0; j < VL; j++) dots[j] = VZERO();
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = 0, owner = 0; j < n; j++, owner = owner + 1 == group ? 0 : owner + 1) {
                 const WKV *key = kbase + rows[j];
-                if (j % group == h && j < n_next)
+                if (owner == h && j < n_next) /* owner: j % group, without a division */
                     for (int64_t l = 0; l < lines; l++)
                         _mm_prefetch((const char *)(kbase + next[j]) + 64 * l, _MM_HINT_T0);
                 vf a = VZERO();
