@@ -220,7 +220,8 @@ static inline __attribute__((always_inline)) void attend_group_body(const float 
      * prefetcher stops at each block's end). The next keys are spread over the G heads' dot loops
      * (key j in head j % G's), not all in the first: 64 lines at once there filled the core's line
      * fill buffers while the other heads' loops issued none (32-row decode step, ~190-token contexts,
-     * 2-core Intel Xeon AVX-512: 58.5 -> 57.0 ms, medians of three alternations; AVX2 level). */
+     * 2-core Intel Xeon AVX-512: the model call 58.5 -> 57.0 ms, medians of three alternations;
+     * AVX2 level). */
     int64_t rows_a[VL], rows_b[VL], *rows = rows_a, *next = rows_b;
     int64_t blk = t0 / bs, off = t0 % bs;
     const int64_t lines = (d * (int64_t)sizeof(WKV) + 63) / 64;

@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 # the FMA peak from ~64 rows (AVX-512 8-row tiles ~490 GFLOPS, AVX2 4-row tiles ~230; MKL's sgemm ~160
 # on a 2-core Zen 5 EPYC). At 128 a served burst's mixed steps (a ~130-token prompt beside 16 decodes,
 # 146 rows) went as 128 + 18 rows, each slice reading every weight: 148.5 -> 136.1 ms with one slice,
-# AVX2 216 -> 203 ms; a lone 300-token prompt 285 -> 280 ms, 1,000 tokens level (2-core Intel Xeon).
+# AVX2 216 -> 203 ms; a lone 300-token prompt 280 ms against 285 in slices of 100, 1,000 tokens
+# level (2-core Intel Xeon).
 MAX_ROWS = {"avx512": 256, "avx2": 256, "avx512_bf16": 32}
 # Block-quantized linears: VNNI's 512-bit tile (qlinear.c's tile512) runs SmolLM2's linears at 32
 # rows in 18 ms, 128 rows in 55 ms (~490 GFLOPS) on the 2-core EPYC (Zen 5); a 10 x 200-token
