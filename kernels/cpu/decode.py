@@ -111,6 +111,12 @@ class DecodeLayerKernel:
         self._work_floats.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_int64]
         self._work_floats.restype = ctypes.c_int64
         self.max_head_dim = int(getattr(library, f"{prefix}_max_head_dim")())
+        # Rows a float32 build's linears take in one pass over the weights (linear_f32.c's ROW_BLOCK,
+        # which the float32 builds include); None for the others.
+        row_block = getattr(library, "linear_f32_row_block", None)
+        if row_block is not None:
+            row_block.restype = ctypes.c_int64
+        self.row_block: int | None = int(row_block()) if row_block is not None else None
 
     def work_floats(self, layer: LayerArgs, num_rows: int) -> int:
         """Scratch floats one call on ``num_rows`` rows needs (every layer of a model needs the same)."""

@@ -40,6 +40,8 @@
                       * accumulators in memory: GCC stored them every step) */
 
 int64_t linear_f32_panel(void) { return PANEL; }
+/* The fused decode layer (decode_f32.c) slices a larger step into calls of at most this many rows. */
+int64_t linear_f32_row_block(void) { return ROW_BLOCK; }
 
 /* out[t, :] = row ids[t] of the packed weight of N rows (a tied model's embedding read from its logits
  * matrix): K floats PANEL apart. Returns -1, or the first t whose id is outside [0, N) (nothing read

@@ -265,3 +265,23 @@ def run_step(
             assert len(positions) > rows_a_call
         got = step.run(input_ids, positions, slots, row_lens, token_rows)
     return got, expected, fused_caches, caches
+
+
+def test_a_float32_step_takes_as_many_rows_a_call_as_the_linears_take_a_pass(
+    kernel: DecodeLayerKernel, tmp_path: Path, kernel_dir: Path
+) -> None:
+    """The float32 builds report linear_f32.c's ROW_BLOCK (one owner of the figure) and a step is
+    sliced by it; the bfloat16 ones report none and keep their table's 32."""
+    _save_hf("llama-gqa-untied", tmp_path)
+    model, _ = load_model(tmp_path, kernel.dtype)
+    if kernel.dtype == torch.float32:  # the runner packs them first (use_decode_linears)
+        assert use_decode_linears(model, probe(), kernel_dir) > 0
+    cfg = model.config
+    caches = allocate_kv_cache(
+        cfg.num_layers, 4, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kernel.kv_dtype, "cpu"
+    )
+    step = CpuDecodeStep(model, caches, kernel)
+    if kernel.dtype == torch.float32:
+        assert kernel.row_block == 256 and step.max_rows == 256
+    else:
+        assert kernel.row_block is None and step.max_rows == 32

@@ -41,14 +41,14 @@ from worker.models.quant import QuantLinear, is_quantized, quant_isa
 
 log = logging.getLogger(__name__)
 
-# Rows of one fused call (a larger step goes in even slices). float32: 256, one pass over the weights
-# for a step of up to 256 rows (linear_f32.c's ROW_BLOCK), where the tiles over packed panels run near
-# the FMA peak from ~64 rows (AVX-512 8-row tiles ~490 GFLOPS, AVX2 4-row tiles ~230; MKL's sgemm ~160
-# on a 2-core Zen 5 EPYC). At 128 a served burst's mixed steps (a ~130-token prompt beside 16 decodes,
-# 146 rows) went as 128 + 18 rows, each slice reading every weight: 148.5 -> 136.1 ms with one slice,
-# AVX2 216 -> 203 ms; a lone 300-token prompt 280 ms against 285 in slices of 100, 1,000 tokens
-# level (2-core Intel Xeon).
-MAX_ROWS = {"avx512": 256, "avx2": 256, "avx512_bf16": 32}
+# Rows of one fused call (a larger step goes in even slices). float32: the kernel's own row block
+# (linear_f32.c's ROW_BLOCK, 256; ``DecodeLayerKernel.row_block``), one pass over the weights a call,
+# where the tiles over packed panels run near the FMA peak from ~64 rows (AVX-512 8-row tiles ~490
+# GFLOPS, AVX2 4-row tiles ~230; MKL's sgemm ~160 on a 2-core Zen 5 EPYC). At 128 a served burst's
+# mixed steps (a ~130-token prompt beside 16 decodes, 146 rows) went as 128 + 18 rows, each slice
+# reading every weight: 148.5 -> 136.1 ms with one slice of 146, AVX2 216 -> 203 ms; a lone 300-token
+# prompt 280 ms against 285 in slices of 100, 1,000 tokens level (2-core Intel Xeon). bfloat16: 32.
+MAX_ROWS = {"avx512_bf16": 32}
 # Block-quantized linears: VNNI's 512-bit tile (qlinear.c's tile512) runs SmolLM2's linears at 32
 # rows in 18 ms, 128 rows in 55 ms (~490 GFLOPS) on the 2-core EPYC (Zen 5); a 10 x 200-token
 # prefill step took 1.12 s in slices of 64 rows, ~1.0 in slices of 128 (256 and 512: no better).
@@ -80,7 +80,10 @@ class CpuDecodeStep:
         self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], kernel: DecodeLayerKernel
     ) -> None:
         self.model, self.kv_caches, self.kernel = model, kv_caches, kernel
-        self.max_rows = (QUANT_MAX_ROWS if kernel.quantized else MAX_ROWS)[kernel.isa]
+        if kernel.quantized:
+            self.max_rows = QUANT_MAX_ROWS[kernel.isa]
+        else:
+            self.max_rows = kernel.row_block or MAX_ROWS[kernel.isa]
         sliced = QUANT_SLICED_MEAN_CONTEXT if kernel.quantized else SLICED_MEAN_CONTEXT
         self.sliced_mean_context = sliced.get(kernel.isa)  # None: steps of max_rows at most
         cfg = model.config
