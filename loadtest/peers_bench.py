@@ -20,6 +20,8 @@ requests through the same client (streamed chat, greedy, ``ignore_eos`` so each 
 
 ``--precision best`` (default): each server's best configuration (tierserve's ``dtype = "auto"``,
 vLLM's fastest dtype on this CPU, llama.cpp's Q4_1); ``fp32``: tierserve and vLLM in float32.
+Under ``TIERSERVE_CPU_ISA`` the peers are held to tierserve's level too (``peers_isa``): a stand-in
+for a smaller CPU, recorded as ``-capped``; each server's ``isa`` says what it ran.
 Ratios are ours ÷ theirs (above 1: tierserve is faster), null when either side is missing.
 """
 
@@ -33,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest import peers_install
+from loadtest import peers_install, peers_isa
 from loadtest.arrivals import ArrivalKind, ArrivalSpec
 from loadtest.client import RequestOptions, Target
 from loadtest.metrics import RunSummary, summarize
@@ -43,6 +45,7 @@ from loadtest.peers_servers import (
     Launch,
     Precision,
     ServerExited,
+    Started,
     llamacpp_launch,
     running,
     tierserve_launch,
@@ -104,7 +107,8 @@ class _Bench:
     tiers: dict[str, Tier]
     results: dict[str, ServerResult] = field(default_factory=dict)
     rate: float | None = None  # the mixed phase's arrivals, req/s: set once every capacity is known
-    llamacpp_without_amx: bool = False  # its native build died at start on this AMX CPU
+    peer_level: IsaLevel | None = None  # the peers held to this level (TIERSERVE_CPU_ISA), else None
+    llamacpp_variant: str = "native"  # noamx once the native build died at start on this AMX CPU
 
     def session(self, name: str, label: str, phases: Callable[[str, ServerResult], None]) -> None:
         """Install (peers), start, run ``phases`` against the server, stop; a peer's failure is noted.
@@ -123,12 +127,13 @@ class _Bench:
         progress(f"{name}: starting ({launch.dtype})")
         started, ready_s = time.monotonic(), None
         try:
-            with running(launch, self.workdir / f"{name}-{label}.log") as base_url:
+            with running(launch, self.workdir / f"{name}-{label}.log") as server:
                 ready_s = round(time.monotonic() - started, 1)
                 if result.start_s is None:  # the first start is the one reported
                     result.start_s = ready_s
-                progress(f"{name}: ready in {ready_s:g} s")
-                phases(base_url, result)
+                result.isa = self.isa_of(name, server)
+                progress(f"{name}: ready in {ready_s:g} s ({result.isa})")
+                phases(server.base_url, result)
         except Exception as exc:
             if name == OURS:
                 raise
@@ -142,12 +147,12 @@ class _Bench:
     def _rebuild_without_amx(self, name: str, exc: Exception, result: ServerResult) -> bool:
         """Whether llama.cpp is to be started again, built without ggml's AMX path: its native build
         was killed by a signal at start on an AMX CPU (once)."""
-        if name != "llamacpp" or self.llamacpp_without_amx or not isinstance(exc, ServerExited):
+        if name != "llamacpp" or self.llamacpp_variant != "native" or not isinstance(exc, ServerExited):
             return False
         if exc.returncode >= 0 or not has_amx():  # exited by itself, or not the AMX fault
             return False
         progress(f"{name}: killed at start ({exc.returncode}) on an AMX CPU; again without its AMX path")
-        self.llamacpp_without_amx = True
+        self.llamacpp_variant = "noamx"
         result.note = f"built without ggml's AMX path: the native build died at start ({exc.returncode})"
         return True
 
@@ -159,11 +164,22 @@ class _Bench:
         if name == "vllm":
             python = peers_install.install_vllm()
             preload = peers_install.vllm_preload()
-            return vllm_launch(python, store.resolve_model("default"), self.precision, preload)
-        binary = peers_install.install_llamacpp(without_amx=self.llamacpp_without_amx)
+            level, root = self.peer_level, peers_install.PEERS_DIR
+            cap = peers_isa.vllm_env(level, root) if level is not None else None
+            return vllm_launch(python, store.resolve_model("default"), self.precision, preload, cap)
+        binary = peers_install.install_llamacpp(variant=self.llamacpp_variant)
         # The GGUF the embedded model was converted from, kept by the store (checked against its sha256).
         gguf = store.default_gguf(progress)
         return llamacpp_launch(binary, gguf)
+
+    def isa_of(self, name: str, server: Started) -> str:
+        """What the server ran, as far as can be seen: our probe's level, vLLM's kernel libraries in
+        its processes' maps, llama.cpp's build."""
+        if name == OURS:
+            return f"tierserve {cpu_caps().level.label}"
+        if name == "vllm":
+            return "vllm " + (" ".join(peers_isa.vllm_kernels(server.session)) or "(no kernel library seen)")
+        return f"llama.cpp build {self.llamacpp_variant}"
 
     def load(
         self, base_url: str, name: str, workload: Workload, arrivals: ArrivalSpec, bounds: Bounds
@@ -226,12 +242,18 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     workdir = peers_install.PEERS_DIR / "runs" / time.strftime("%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True)
     progress(f"logs in {workdir}")
+    caps = cpu_caps()
+    level = peers_isa.peer_level(caps)
+    if level is not None:
+        progress(f"TIERSERVE_CPU_ISA: the peers are held to {level.label} as well")
     bench = _Bench(
         args,
         Precision(args.precision),
         workdir,
         load_tokenizer("auto", MODEL),
         {t.name: t for t in config.tiers},
+        peer_level=level,
+        llamacpp_variant=peers_isa.LLAMACPP_VARIANT[level] if level is not None else "native",
     )
     if args.check:
         for name in order:
@@ -249,7 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     for name in reversed(order[:-1]):  # the others' mixed runs, each started alone again
         if bench.results[name].error is None and args.mixed_s > 0:
             bench.session(name, "mixed", bench.mixed)
-    return figures(args, bench.results, bench.rate, cpu_caps())
+    return figures(args, bench.results, bench.rate, caps)
 
 
 def duration_of(records: list[RequestRecord]) -> float:

@@ -40,6 +40,7 @@ class ServerResult:
     mixed: RunSummary | None = None
     check: GroupSummary | None = None
     note: str | None = None  # how it ran, where that differs from the recipe (docs/benchmarks.md)
+    isa: str | None = None  # what it ran, as seen once it started (peers_bench.isa_of)
 
     def phase(self, name: str) -> list[GroupSummary]:
         return self.single if name == "single" else self.concurrent
@@ -66,7 +67,7 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 
 def server_figures(result: ServerResult) -> dict[str, object]:
     """One server's figures; a failed or skipped phase gives nulls."""
-    out: dict[str, object] = {"dtype": result.dtype, "start_s": result.start_s}
+    out: dict[str, object] = {"dtype": result.dtype, "start_s": result.start_s, "isa": result.isa}
     if result.note is not None:
         out["note"] = result.note
     if result.error is not None:
@@ -103,8 +104,8 @@ def scenario_name(precision: Precision, tierserve_path: str, caps: CpuCaps) -> s
     """The docs block a run records into: peers (or peers-fp32) when tierserve serves its default
     pool path, -float when it serves the float folder ("default"), -gguf another GGUF file, -folder
     another folder. A CPU below AVX-512 adds its class (-avx2, -generic), so that its run records
-    beside an AVX-512 one, not over it; so does TIERSERVE_CPU_ISA, with -capped: it lowers tierserve's
-    kernels only, the peers still use the whole CPU."""
+    beside an AVX-512 one, not over it; so does TIERSERVE_CPU_ISA, with -capped: every server is held
+    to that level (peers_isa), a stand-in for a CPU of that class."""
     name = "peers" if precision is Precision.BEST else "peers-fp32"
     if tierserve_path == "default":
         name += "-float"
@@ -162,6 +163,7 @@ def check_figures(results: Mapping[str, ServerResult]) -> dict[str, object]:
         entry: dict[str, object] = {
             "dtype": result.dtype,
             "start_s": result.start_s,
+            "isa": result.isa,
             "error": result.error,
             "answered": check is not None and check.num_ok == 1,
             "output_tokens": check.num_output_tokens if check is not None else None,

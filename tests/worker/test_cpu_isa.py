@@ -101,13 +101,19 @@ def test_a_bad_override_names_the_variable_and_the_choices() -> None:
         caps_from_flags(AVX2, override="sse9")
 
 
-def test_export_caps_aten_and_onednn_without_overriding_what_is_set() -> None:
+def test_export_caps_aten_onednn_and_mkl_without_overriding_what_is_set() -> None:
     env = {OVERRIDE_ENV: "avx2"}
     export_isa_env(env)
-    assert env == {OVERRIDE_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert env == {
+        OVERRIDE_ENV: "avx2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    }
     env = {OVERRIDE_ENV: "avx512_bf16", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     export_isa_env(env)
     assert env["ATEN_CPU_CAPABILITY"] == "avx512" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert "MKL_ENABLE_INSTRUCTIONS" not in env  # at AVX-512 and above MKL keeps its own choice
     env = {}
     export_isa_env(env)
     assert env == {}
