@@ -53,9 +53,9 @@ from policies.budget import Static
 from policies.eviction import Lru
 from policies.ordering import Fcfs
 from policies.preemption import Newest
+from tierserve.eviction_sim import EvictionSim
 from tierserve.sim_types import (
     CostModel,
-    EvictionSim,
     PolicyContractError,
     RequestResult,
     SimConfig,
