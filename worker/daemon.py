@@ -42,7 +42,6 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import FrameType
 
 import msgspec
@@ -63,16 +62,13 @@ from wire.messages import (
     Submit,
     TokenBatch,
     TokenDelta,
-    TokenLogprob,
-    Usage,
     WorkerStats,
 )
 from worker.daemon_io import CurveClientKeys, Received, SocketIO
-from worker.devices import describe_device
+from worker.daemon_messages import model_name_of, register, token_delta, worker_stats
 from worker.engine import Engine
 from worker.kv_events import KVEventLog
 from worker.liveness import NULL_LIVENESS, Liveness
-from worker.models.store import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES, QUANTIZED_DEFAULT_ALIASES
 from worker.outputs import RequestOutput
 from worker.request import FinishReason, TierRef
 from worker.tracing import NULL_OBSERVER, NullObserver, RequestTracer
@@ -124,7 +120,7 @@ class WorkerDaemon:
         self.engine = engine
         self._tracing = _observe(engine, telemetry, worker_id)
         self.worker_id = worker_id
-        self.model_name = model_name or _model_name(engine.config.model)
+        self.model_name = model_name or model_name_of(engine.config.model)
         self.context_classes = list(context_classes)  # what Register announces; empty: every class
         self.orphan_timeout_s = orphan_timeout_s
         self.step_floor = step_floor
@@ -342,33 +338,15 @@ class WorkerDaemon:
             tracked = output.owner
             if not isinstance(tracked, _Tracked):
                 continue  # not one the daemon submitted: nobody to send it to
-            by_link.setdefault(tracked.link, []).append(self._delta(output, tracked))
+            by_link.setdefault(tracked.link, []).append(
+                token_delta(output, tracked.epoch, tracked.num_resumed)
+            )
         for link, deltas in by_link.items():  # each gateway gets the tokens of its own requests
             for i in range(0, len(deltas), MAX_DELTAS_PER_BATCH):
                 batch = deltas[i : i + MAX_DELTAS_PER_BATCH]
                 self.io.send_to(
                     link, TokenBatch(worker_id=self.worker_id, step=self._num_steps, deltas=batch)
                 )
-
-    def _delta(self, output: RequestOutput, tracked: _Tracked) -> TokenDelta:
-        num_prompt = max(0, output.num_prompt_tokens - tracked.num_resumed)
-        return TokenDelta(
-            request_id=output.request_id,
-            epoch=tracked.epoch,
-            token_ids=output.new_token_ids,
-            text=output.text_delta,
-            logprobs=[
-                TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top) for lp in output.logprobs
-            ]
-            or None,
-            finish_reason=output.finish_reason.value if output.finish_reason is not None else None,
-            error=output.error[:MAX_MESSAGE_CHARS] if output.error is not None else None,
-            usage=Usage(
-                prompt_tokens=num_prompt,
-                completion_tokens=output.num_output_tokens + tracked.num_resumed,
-                cached_tokens=min(output.num_cached_tokens, num_prompt),
-            ),
-        )
 
     def _abort_all(self) -> None:
         log.info("worker %s stopping now: aborting %d requests", self.worker_id, self.engine.num_requests)
@@ -382,44 +360,11 @@ class WorkerDaemon:
     # ---- what we tell the gateway about ourselves ---------------------------------------------
 
     def _stats(self) -> WorkerStats:
-        engine = self.engine.stats()
-        return WorkerStats(
-            num_running=engine.num_running,
-            num_waiting=engine.num_waiting,
-            num_free_blocks=engine.num_free_blocks,
-            num_total_blocks=engine.num_total_blocks,
-            step_time_ema_ms=self._step_time_ema_ms,
-            num_steps=self._num_steps,
-            num_preemptions=engine.num_preemptions,
-            num_evictions=engine.num_evictions,
-            num_prefix_query_tokens=engine.num_prefix_query_tokens,
-            num_prefix_hit_tokens=engine.num_prefix_hit_tokens,
-            kv_events_seq=self._kv_events.seq,
-        )
+        return worker_stats(self.engine, self._step_time_ema_ms, self._num_steps, self._kv_events.seq)
 
     def _register(self) -> Register:
-        engine = self.engine
-        config = engine.config
-        num_blocks = engine.kv_cache.pool.num_blocks
-        device = describe_device(engine.runner.device)
-        return Register(
-            worker_id=self.worker_id,
-            model=self.model_name,
-            dtype=config.dtype,
-            device=str(engine.runner.device),
-            num_kv_blocks=num_blocks,
-            block_size=config.block_size,
-            kv_capacity_tokens=num_blocks * config.block_size,
-            max_model_len=engine.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            vocab_size=engine.model_config.vocab_size,
-            context_classes=self.context_classes,
-            quant_layer_errors=dict(engine.quant_layer_errors),
-            device_name=device.name,
-            device_memory_bytes=device.memory_bytes,
-            step_floor_ms=self.step_floor.decode_ms if self.step_floor else None,
-            prefill_ms_per_token=self.step_floor.prefill_ms_per_token if self.step_floor else None,
-            pid=os.getpid(),
+        return register(
+            self.engine, self.worker_id, self.model_name, self.context_classes, self.step_floor, os.getpid()
         )
 
 
@@ -430,10 +375,6 @@ def _observe(engine: Engine, telemetry: Telemetry | None, worker_id: str) -> Nul
         observer = RequestTracer(telemetry.tracer, worker_id)
     engine.observer = observer
     return observer
-
-
-def _model_name(model: str) -> str:
-    return DEFAULT_MODEL if model in DEFAULT_MODEL_ALIASES + QUANTIZED_DEFAULT_ALIASES else Path(model).name
 
 
 def monotonic_arrival(wall_clock_arrival: float) -> float:
