@@ -49,9 +49,10 @@ for _name in {names!r}:
 
 
 def peer_level(caps: CpuCaps) -> IsaLevel | None:
-    """The level the peers are held to: tierserve's under TIERSERVE_CPU_ISA (AVX2 at least), else
-    None (the whole CPU)."""
-    return max(caps.level, IsaLevel.AVX2) if caps.is_overridden else None
+    """The level the peers are held to: tierserve's under TIERSERVE_CPU_ISA (AVX2 at least), or None
+    where that is the CPU's own (the peers then use the whole CPU, as without the override)."""
+    level = max(caps.level, IsaLevel.AVX2)
+    return level if level < caps.native_level else None
 
 
 def capped_probes(level: IsaLevel) -> list[str]:

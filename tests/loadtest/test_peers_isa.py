@@ -35,6 +35,8 @@ def test_the_peers_follow_only_an_override_and_never_below_avx2() -> None:
     assert peer_level(caps_from_flags(AMX_CPU, override="avx2")) is IsaLevel.AVX2
     assert peer_level(caps_from_flags(AMX_CPU, override="avx512")) is IsaLevel.AVX512
     assert peer_level(caps_from_flags(AMX_CPU, override="default")) is IsaLevel.AVX2
+    avx2_cpu = {"avx", "avx2", "fma"}
+    assert peer_level(caps_from_flags(avx2_cpu, override="default")) is None  # AVX2 is the CPU's own
 
 
 def test_each_level_caps_the_probes_above_it_and_has_a_llamacpp_build() -> None:
