@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.bootstrapped
 # torch's CPU wheel when no CUDA device is present: an unpinned torch would pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: all bootstrap model serve generate test test-apm lint unit bench clean
+.PHONY: all bootstrap model emulator serve generate test test-apm lint unit bench clean
 
 all: test
 
@@ -38,9 +38,17 @@ lint: bootstrap
 unit: bootstrap
 	$(PY) -m pytest -q -m "not slow"
 
+# QEMU's user-mode emulator, for tests/worker/test_emulated_cpu.py: the engine's CPU-specific tests in a
+# process whose CPUID says Haswell (AVX2, no AVX-512) or Nehalem (SSE4.2), whatever this machine is. One
+# static binary from Debian's registry (qemu-user-static) unpacked into .cache/qemu; no root needed
+# where apt's package lists are present. Where it cannot be fetched the test skips and says why.
+QEMU := .cache/qemu/qemu-x86_64
+emulator:
+	@test -x $(QEMU) || scripts/fetch_qemu.sh .cache/qemu
+
 # The second pass runs the CPU-specific paths (tests marked `isa`: engine, daemon, packing, the real
 # model end to end) again as on an AVX2-only CPU, whatever this machine has: both paths, every machine.
-test: lint model
+test: lint model emulator
 	$(PY) -m pytest -q
 	@echo "make test: the CPU-specific tests again as on an AVX2-only CPU (TIERSERVE_CPU_ISA=avx2)"
 	TIERSERVE_CPU_ISA=avx2 $(PY) -m pytest -q -m isa

@@ -1,9 +1,11 @@
 """What this CPU can compute, asked once: the capability probe every CPU-specific path checks.
 
-The facts are the ones PyTorch and oneDNN act on: the CPU's flags (``/proc/cpuinfo``, which both read
-through CPUID as well), ATen's kernel level (``torch.backends.cpu.get_cpu_capability``) and oneDNN's
-own answer on its bf16 path (``torch.ops.mkldnn._is_mkldnn_bf16_supported``; the pre-packed bf16 linears
-raise where it is False).
+The facts are the ones PyTorch and oneDNN act on: the CPU's flags (``/proc/cpuinfo``), held to what
+CPUID says this process can execute (torch's cpuinfo: the instruction set and the registers the OS
+saves; an emulator or a masking hypervisor can list more in ``/proc/cpuinfo`` than runs, and a kernel
+chosen from those flags dies of SIGILL), ATen's kernel level
+(``torch.backends.cpu.get_cpu_capability``) and oneDNN's own answer on its bf16 path
+(``torch.ops.mkldnn._is_mkldnn_bf16_supported``; the pre-packed bf16 linears raise where it is False).
 
 ``TIERSERVE_CPU_ISA`` (``default``, ``avx2``, ``avx512``, ``avx512_bf16``, ``amx``) makes the process
 behave as on a CPU of that level: the probe drops the flags above it, and :func:`export_isa_env` caps
@@ -131,9 +133,11 @@ def caps_from_flags(
     model_name: str = "unknown CPU",
     override: str | None = None,
     onednn_bf16: bool = True,
+    denied: Iterable[str] = (),
 ) -> CpuCaps:
-    """The decisions for a CPU with these flags (pure: the probe's tests feed it each CPU kind)."""
-    have = frozenset(flags)
+    """The decisions for a CPU with these flags (pure: the probe's tests feed it each CPU kind).
+    ``denied``: flags CPUID denies (:func:`cpuid_denied`), dropped whatever ``flags`` lists."""
+    have = frozenset(flags) - frozenset(denied)
     native = level_of(have)
     level = native
     if override:
@@ -149,6 +153,30 @@ def caps_from_flags(
         level = min(wanted, native)
     allowed = frozenset().union(*(_LEVEL_FLAGS[lv] for lv in IsaLevel if lv <= level and lv in _LEVEL_FLAGS))
     return CpuCaps(model_name, native, level, have & allowed, onednn_bf16)
+
+
+# The ISA flags the levels are made of, and the ones torch's cpuinfo spells otherwise.
+ISA_FLAGS = frozenset().union(*_LEVEL_FLAGS.values())
+_CPUINFO_NAMES = {"fma": "fma3"} | {
+    f: "avx512_" + f.removeprefix("avx512") for f in ISA_FLAGS if f.startswith("avx512") and "_" not in f
+}
+
+
+def cpuid_denied() -> frozenset[str]:
+    """The ISA flags this process cannot execute although ``/proc/cpuinfo`` may list them: those that
+    CPUID and the OS's saved registers (XCR0) deny, as torch's cpuinfo reads them
+    (``torch.cpu.get_capabilities``). Empty where this torch cannot say.
+
+    ``/proc/cpuinfo`` is the host's under a user-mode emulator (``qemu-x86_64 -cpu Haswell`` on an
+    AVX-512 host lists AVX-512 and executes none of it); ATen's own dispatch follows CPUID, and so
+    must the engine's kernels. A flag cpuinfo does not know is not denied."""
+    import torch
+
+    get = getattr(torch.cpu, "get_capabilities", None)
+    if get is None:
+        return frozenset()
+    found = get()
+    return frozenset(f for f in ISA_FLAGS if found.get(_CPUINFO_NAMES.get(f, f)) is False)
 
 
 def library_isa_env(level: IsaLevel) -> dict[str, str]:
@@ -200,7 +228,14 @@ def probe() -> CpuCaps:
     """This process's CPU, read once and logged once."""
     model_name, flags = read_cpuinfo()
     onednn_bf16 = _torch_onednn_bf16()
-    caps = caps_from_flags(flags, model_name, os.environ.get(OVERRIDE_ENV), onednn_bf16)
+    denied = cpuid_denied() & flags
+    if denied:
+        log.warning(
+            "cpu: /proc/cpuinfo lists %s, which CPUID denies this process (an emulator, or a hypervisor "
+            "that masks features): the engine goes without them",
+            " ".join(sorted(denied)),
+        )
+    caps = caps_from_flags(flags, model_name, os.environ.get(OVERRIDE_ENV), onednn_bf16, denied)
     log.info("cpu: %s", caps.describe())
     _check_torch_agrees(caps)
     return caps

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
 
 from worker.cpu_isa import (
+    ISA_FLAGS,
     OVERRIDE_ENV,
     CpuIsaError,
     IsaLevel,
     caps_from_flags,
+    cpuid_denied,
     export_isa_env,
     level_of,
+    parse_level,
     probe,
     read_cpuinfo,
 )
@@ -94,6 +98,57 @@ def test_override_cannot_raise_the_level(caplog: pytest.LogCaptureFixture) -> No
 
 def test_onednn_saying_no_stops_packing_whatever_the_flags() -> None:
     assert not caps_from_flags(AVX512_BF16, onednn_bf16=False).can_pack_bf16
+
+
+# What CPUID confirms on an emulated CPU (qemu-x86_64 -cpu MODEL) while /proc/cpuinfo is the host's
+HASWELL = AVX2
+NEHALEM = SSE_ONLY
+
+
+@pytest.mark.parametrize(("executes", "level"), [(NEHALEM, IsaLevel.DEFAULT), (HASWELL, IsaLevel.AVX2)])
+def test_flags_cpuid_denies_are_dropped(executes: set[str], level: IsaLevel) -> None:
+    """/proc/cpuinfo of an AMX host, read by a process that executes less: the level and the flags
+    are what runs."""
+    denied = (AMX - executes) & ISA_FLAGS
+    caps = caps_from_flags(AMX, "host CPU", denied=denied)
+    assert (caps.native_level, caps.level) == (level, level)
+    assert caps.flags == frozenset(executes & ISA_FLAGS)
+    assert not caps.native_bf16 and not caps.can_pack_bf16
+    assert choose_dtype("auto", "cpu", caps).dtype == "float32"
+    # an override still lowers, and cannot raise past what executes
+    assert caps_from_flags(AMX, override="avx512_bf16", denied=denied).level is level
+
+
+def test_a_denied_extension_leaves_its_level_and_drops_the_extension() -> None:
+    """AVX-512 core confirmed, VNNI denied: the level stays, and the quantized kernels' VNNI tile
+    (worker.models.quant checks the flag) is not chosen."""
+    caps = caps_from_flags(AVX512, denied={"avx512_vnni"})
+    assert caps.level is IsaLevel.AVX512 and "avx512_vnni" not in caps.flags
+
+
+def test_cpuid_denied_reads_torchs_cpuinfo_in_proc_cpuinfo_spelling(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    answers = {"avx2": True, "fma3": True, "avx512_f": False, "avx512_vnni": False, "amx_tile": False}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: answers)
+    # only what cpuinfo answers False to: a flag it does not know is not denied
+    assert cpuid_denied() == {"avx512f", "avx512_vnni", "amx_tile"}
+    monkeypatch.delattr(torch.cpu, "get_capabilities")
+    assert cpuid_denied() == frozenset()  # a torch without it: the flags alone
+
+
+def test_this_cpus_flags_are_what_cpuid_confirms() -> None:
+    """Natively CPUID denies none of the ISA flags /proc/cpuinfo lists; under an emulator
+    (tests/worker/test_emulated_cpu.py) it denies those above the emulated CPU, and the probe drops them."""
+    _, flags = read_cpuinfo()
+    assert probe().flags <= flags - cpuid_denied()
+
+
+def test_the_probe_finds_the_emulated_cpu_it_runs_on() -> None:
+    expected = os.environ.get("TIERSERVE_EXPECT_CPU_LEVEL")
+    if not expected:
+        pytest.skip("runs under an emulated CPU (tests/worker/test_emulated_cpu.py), which sets the level")
+    assert probe().native_level is parse_level(expected), probe().describe()
 
 
 def test_a_bad_override_names_the_variable_and_the_choices() -> None:
