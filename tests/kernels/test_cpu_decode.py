@@ -137,19 +137,25 @@ def test_fused_mixed_step_equals_the_torch_path(
     tmp_path: Path,
     kernel_dir: Path,
 ) -> None:
-    """Prefill chunks beside decodes, a token a row: each row attends causally, within the window;
-    also as slices of ``rows_a_call`` rows (a chunk split across slices attends to what the slice
-    before it wrote)."""
-    if kernel.dtype != torch.float32:
-        pytest.skip("the float32 builds; bfloat16 rounds as in the decode test")
+    """Prefill chunks beside decodes, a token a row: each row attends causally, within the window
+    (a chunk of 4 rows or more in tiles, attend_tile); also as slices of ``rows_a_call`` rows (a chunk
+    split across slices attends to what the slice before it wrote)."""
     skip_wide_bf16(kernel, name)
     _save_hf(name, tmp_path)
-    model, _ = load_model(tmp_path, torch.float32)
+    model, _ = load_model(tmp_path, kernel.dtype)
     got, expected, fused_caches, caches = run_step(
         model, kernel, chunks, random.Random(len(chunks)), kernel_dir, rows_a_call
     )
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    assert_caches_close(fused_caches, caches)
+    if kernel.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert_caches_close(fused_caches, caches)
+        return
+    # bf16: torch rounds ~10 times a layer, the kernel twice; beside a sliding-window chunk an output
+    # reached 5.6% of the largest value (the same bits row by row and in tiles), ~2% on average
+    for ours, theirs in [(got, expected), *zip(fused_caches, caches, strict=True)]:
+        diff, scale = (ours.float() - theirs.float()).abs(), theirs.float().abs()
+        assert diff.max() < 0.08 * scale.max(), diff.max()
+        assert diff.mean() < 0.03 * scale.mean(), diff.mean()
 
 
 def assert_caches_close(fused: list[torch.Tensor], reference: list[torch.Tensor]) -> None:

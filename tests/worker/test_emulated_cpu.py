@@ -36,8 +36,9 @@ CPUS = [
         "avx2",
         [
             "tests/worker/test_cpu_isa.py",
-            # the fused float32 and quantized layers against the torch path, on the AVX2 builds
-            "tests/kernels/test_cpu_decode.py::test_fused_step_equals_the_torch_path",
+            # the fused float32 and quantized layers against the torch path on the AVX2 builds (decodes,
+            # and prompts' chunks in tiles)
+            "tests/kernels/test_cpu_decode.py::test_fused_mixed_step_equals_the_torch_path",
             "tests/kernels/test_cpu_decode.py::test_fused_quantized_step_equals_the_torch_path",
             "tests/worker/test_cpu_linear.py",
             # the engine on the path the probe chose (the fused AVX2 layer), token for token vs HF

@@ -54,15 +54,17 @@ MAX_ROWS = {"avx512_bf16": 32}
 # prefill step took 1.12 s in slices of 64 rows, ~1.0 in slices of 128 (256 and 512: no better).
 QUANT_MAX_ROWS = {"avx512_vnni": 128, "avx2": 32}
 # Builds (by ISA, float and quantized as for the row counts above) that take a step of any size as
-# slices of at most max_rows rows, while the rows' mean context stays within this (their attention
-# runs a row at a time; the torch path's SDPA tiles a long prompt's keys). Measured on the 2-core
-# EPYC (Zen 5), a 2,000-token prefill step, fused vs torch: float32 AVX-512 10 x 200 tokens 1.75 vs
+# slices of at most max_rows rows, while the rows' mean context stays within this (the torch path's
+# SDPA tiles a long prompt's keys; the fused layer tiles a prompt's rows since decode_layer.h's
+# attend_tile: float32 AVX-512 is then ahead to 4,000-token prompts, one alone 6.5 s fused against 8.0
+# through torch, AVX2 10.3-10.6 against 10.2, so AVX2 keeps 1024; 2-core Intel Xeon). Measured on the
+# 2-core EPYC (Zen 5), a 2,000-token prefill step, fused vs torch: float32 AVX-512 10 x 200 tokens 1.75 vs
 # 3.17 s, 1 x 2,000 3.51 vs 3.98 s; quantized VNNI 10 x 200 1.61 vs 2.40 s; quantized AVX2 2.82 vs
 # 3.40 s. float32 AVX2 lost there while its linears were row-major tiles (2.87 vs 2.58 s: MKL's sgemm
 # is an AVX2 kernel, level with them); over packed panels, in slices of 128, the in-process 32-request
 # burst (TIERSERVE_CPU_ISA=avx2, same EPYC) ran 323-325 tok/s where the torch path past 32 rows ran
 # 284-303, its prefill steps 6.1 s where they took 8.7.
-SLICED_MEAN_CONTEXT = {"avx512": 1024, "avx2": 1024}
+SLICED_MEAN_CONTEXT = {"avx512": 4096, "avx2": 1024}
 QUANT_SLICED_MEAN_CONTEXT = {"avx512_vnni": 1024, "avx2": 1024}
 
 
