@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.cpu_isa import OVERRIDE_ENV, library_isa_env, parse_level
+from worker.cpu_isa import OVERRIDE_ENV, IsaLevel, library_isa_env
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def emulator() -> Path | None:
 def child_env(level: str) -> dict[str, str]:
     """This environment less what would hold the child below its CPU (make test's second pass sets
     them), and the level its probe must find."""
-    drop = {OVERRIDE_ENV, *library_isa_env(parse_level("avx2"))}
+    drop = {OVERRIDE_ENV, *library_isa_env(IsaLevel.AVX2)}
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env[EXPECT_ENV] = level
     env["PYTHONUNBUFFERED"] = "1"
