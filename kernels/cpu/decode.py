@@ -93,6 +93,8 @@ class StepArgs(ctypes.Structure):
         ("sliding_window", ctypes.c_int64),
         ("work", ctypes.c_void_p),
         ("num_threads", ctypes.c_int64),
+        ("unit_starts", ctypes.c_void_p),  # DecodeLayerKernel.attention_units fills both
+        ("num_units", ctypes.c_int64),
     ]
 
 
@@ -110,6 +112,9 @@ class DecodeLayerKernel:
         self._work_floats = getattr(library, f"{prefix}_work_floats")
         self._work_floats.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_int64]
         self._work_floats.restype = ctypes.c_int64
+        self._units = getattr(library, f"{prefix}_attention_units")
+        self._units.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(StepArgs), ctypes.c_void_p]
+        self._units.restype = ctypes.c_int64
         self.max_head_dim = int(getattr(library, f"{prefix}_max_head_dim")())
         # Rows a float32 build's linears take in one pass over the weights (linear_f32.c's ROW_BLOCK,
         # which the float32 builds include); None for the others.
@@ -121,6 +126,16 @@ class DecodeLayerKernel:
     def work_floats(self, layer: LayerArgs, num_rows: int) -> int:
         """Scratch floats one call on ``num_rows`` rows needs (every layer of a model needs the same)."""
         return int(self._work_floats(ctypes.byref(layer), num_rows))
+
+    def attention_units(self, layer: LayerArgs, step: StepArgs, starts: torch.Tensor) -> None:
+        """Fill ``step``'s attention units (tiles of a prompt's consecutive rows, single rows), the same
+        for every layer of the step: once a step, before the first layer's call. ``starts``: int64, at
+        least ``step.num_rows + 1`` values, kept by the caller while it calls ``layer`` (the step
+        points into it)."""
+        if starts.dtype != torch.int64 or starts.numel() <= step.num_rows or not starts.is_contiguous():
+            raise ValueError(f"starts: expected {step.num_rows + 1} contiguous int64 values")
+        step.num_units = int(self._units(ctypes.byref(layer), ctypes.byref(step), starts.data_ptr()))
+        step.unit_starts = starts.data_ptr()
 
 
 def load_decode_kernel(

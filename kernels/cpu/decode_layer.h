@@ -54,6 +54,8 @@ typedef struct {
     int64_t sliding_window;      /* 0: full attention */
     float *work;                 /* DECODE(work_floats)() floats */
     int64_t num_threads;
+    const int64_t *unit_starts;  /* [num_units + 1]: attention's units, DECODE(attention_units) */
+    int64_t num_units;
 } Step;
 
 #define KEY_CHUNK 32
@@ -284,23 +286,31 @@ static inline __attribute__((always_inline)) void attend_group_body(const float 
     }
 }
 
-/* attend_group_body with the (group, head_dim) of common models as constants (SmolLM2 135M / 360M:
- * 3, 64; 1.7B: 1, 64; Llama 3.2 1B: 4, 64; Llama 3 8B, Mistral 7B: 4, 128): the head_dim loops unroll
- * and the accumulators stay in registers, where indexed at run time they lived on the stack. The same
+/* BODY(G, D): an attention body called with the (group, head_dim) of common models as constants
+ * where (group, d) is one of them (SmolLM2 135M / 360M: 3, 64; 1.7B: 1, 64; Llama 3.2 1B: 4, 64;
+ * Llama 3 8B, Mistral 7B: 4, 128), else with the run-time values: the head_dim loops unroll and the
+ * accumulators stay in registers, where indexed at run time they lived on the stack. The same
  * operations in the same order either way (the same bits): only the speed differs. */
+#define WITH_COMMON_SHAPES(group, d, BODY)                                                                    \
+    do {                                                                                                    \
+        if ((group) == 3 && (d) == 64)                                                                      \
+            BODY(3, 64);                                                                                    \
+        else if ((group) == 1 && (d) == 64)                                                                 \
+            BODY(1, 64);                                                                                    \
+        else if ((group) == 4 && (d) == 64)                                                                 \
+            BODY(4, 64);                                                                                    \
+        else if ((group) == 4 && (d) == 128)                                                                \
+            BODY(4, 128);                                                                                   \
+        else                                                                                                \
+            BODY(group, d);                                                                                 \
+    } while (0)
+
 static void attend_group(const float *q0, const Layer *L, const Step *S, int64_t m, int64_t g, int64_t group,
                          float *out0) {
     const int64_t d = L->head_dim;
-    if (group == 3 && d == 64)
-        attend_group_body(q0, L, S, m, g, 3, 64, out0);
-    else if (group == 1 && d == 64)
-        attend_group_body(q0, L, S, m, g, 1, 64, out0);
-    else if (group == 4 && d == 64)
-        attend_group_body(q0, L, S, m, g, 4, 64, out0);
-    else if (group == 4 && d == 128)
-        attend_group_body(q0, L, S, m, g, 4, 128, out0);
-    else
-        attend_group_body(q0, L, S, m, g, group, d, out0);
+#define GROUP_BODY(G, D) attend_group_body(q0, L, S, m, g, G, D, out0)
+    WITH_COMMON_SHAPES(group, d, GROUP_BODY);
+#undef GROUP_BODY
 }
 
 /* Prefill rows in tiles: up to VL consecutive rows of one sequence (a prompt's chunk) attend together,
@@ -443,18 +453,31 @@ static inline __attribute__((always_inline)) void attend_tile_body(const float *
         }
 }
 
-/* attend_tile_body with SmolLM2's (group, head_dim) as constants, as attend_group does */
 static void attend_tile(const float *q0, int64_t q_stride, const Layer *L, const Step *S, int64_t m0, int64_t n,
                         int64_t g, int64_t group, float *out0, int64_t out_stride) {
     const int64_t d = L->head_dim;
-    if (group == 3 && d == 64)
-        attend_tile_body(q0, q_stride, L, S, m0, n, g, 3, 64, out0, out_stride);
-    else if (group == 1 && d == 64)
-        attend_tile_body(q0, q_stride, L, S, m0, n, g, 1, 64, out0, out_stride);
-    else if (group == 4 && d == 64)
-        attend_tile_body(q0, q_stride, L, S, m0, n, g, 4, 64, out0, out_stride);
-    else
-        attend_tile_body(q0, q_stride, L, S, m0, n, g, group, d, out0, out_stride);
+#define TILE_BODY(G, D) attend_tile_body(q0, q_stride, L, S, m0, n, g, G, D, out0, out_stride)
+    WITH_COMMON_SHAPES(group, d, TILE_BODY);
+#undef TILE_BODY
+}
+
+/* Attention's units for a step's rows, the same in every layer (so computed once a step, before the
+ * first): a tile of TILE_MIN_ROWS to VL consecutive rows of one sequence (a prompt's chunk), else a
+ * single row (a decode). starts[u] is unit u's first row and starts[units] = num_rows: starts holds
+ * num_rows + 1 values. Returns the number of units. */
+int64_t DECODE(attention_units)(const Layer *L, const Step *S, int64_t *starts) {
+    const int64_t M = S->num_rows, group = L->num_heads / L->num_kv_heads;
+    const int tiles = L->head_dim % VL == 0 && group <= MAX_GROUP && group * L->head_dim <= TILE_MAX_WIDTH;
+    int64_t units = 0;
+    for (int64_t m = 0; m < M;) {
+        int64_t run = 1;
+        while (tiles && run < VL && m + run < M && same_sequence(S, m + run - 1, L->block_size)) run++;
+        if (run < TILE_MIN_ROWS) run = 1;
+        starts[units++] = m;
+        m += run;
+    }
+    starts[units] = M;
+    return units;
 }
 
 void DECODE(layer)(const Layer *L, const Step *S) {
@@ -493,25 +516,17 @@ void DECODE(layer)(const Layer *L, const Step *S) {
         }
     }
     if (D % VL == 0 && group <= MAX_GROUP) {
-        /* units: tiles of a sequence's consecutive rows (a prompt's chunk), or single rows (decodes) */
-        int64_t unit_row[M], unit_rows[M], units = 0;
-        const int tiles = group * D <= TILE_MAX_WIDTH;
-        for (int64_t m = 0; m < M;) {
-            int64_t run = 1;
-            while (tiles && run < VL && m + run < M && same_sequence(S, m + run - 1, L->block_size)) run++;
-            if (run < TILE_MIN_ROWS) run = 1;
-            unit_row[units] = m, unit_rows[units] = run, units++;
-            m += run;
-        }
+        /* a task a (unit, kv head): a unit is a tile of a sequence's consecutive rows or a single row */
+        const int64_t units = S->num_units, *starts = S->unit_starts;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
         for (int64_t task = 0; task < units * hkv; task++) {
-            int64_t u = task / hkv, g = task % hkv, m = unit_row[u];
+            int64_t u = task / hkv, g = task % hkv, m = starts[u], rows = starts[u + 1] - m;
             const float *q = qkv + m * qkv_out + g * group * D;
             float *out = attn + m * attn_width + g * group * D;
-            if (unit_rows[u] == 1)
+            if (rows == 1)
                 attend_group(q, L, S, m, g, group, out);
             else
-                attend_tile(q, qkv_out, L, S, m, unit_rows[u], g, group, out, attn_width);
+                attend_tile(q, qkv_out, L, S, m, rows, g, group, out, attn_width);
         }
     } else {
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)

@@ -22,6 +22,8 @@ from kernels.cpu.decode import (
     KERNELS,
     QUANT_KERNELS,
     DecodeLayerKernel,
+    LayerArgs,
+    StepArgs,
     load_decode_kernel,
     load_quant_decode_kernel,
 )
@@ -291,3 +293,35 @@ def test_a_float32_step_takes_as_many_rows_a_call_as_the_linears_take_a_pass(
         assert kernel.row_block == 256 and step.max_rows == 256
     else:
         assert kernel.row_block is None and step.max_rows == 32
+
+
+def test_attention_units_are_a_prompts_consecutive_rows_or_single_rows(kernel: DecodeLayerKernel) -> None:
+    """A step's attention units, computed once a step: a run of 4 to a vector's lanes (16 floats on
+    AVX-512, 8 on AVX2) consecutive rows of one sequence is a tile; decodes, a run shorter than 4 and
+    rows of another sequence at the same positions (other blocks) are single rows."""
+    lanes = 16 if kernel.isa.startswith("avx512") else 8
+    # (sequence's first block, first position, rows): consecutive tokens of one sequence each
+    # the last two 6-row runs: positions that follow on, in other blocks (another sequence)
+    runs = [(0, 7, 1), (10, 0, 20), (20, 40, 3), (30, 5, 6), (40, 11, 6), (50, 99, 1)]
+    seq_lens, tables = [], []
+    for first_block, start, rows in runs:
+        for r in range(rows):
+            seq_lens.append(start + r + 1)
+            tables.append([first_block + b for b in range(8)])
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    table = torch.tensor(tables, dtype=torch.int64)
+    layer = LayerArgs(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    step = StepArgs(num_rows=len(seq_lens), table_width=8)
+    step.block_tables, step.seq_lens = table.data_ptr(), lens.data_ptr()
+    starts = torch.empty(len(seq_lens) + 1, dtype=torch.int64)
+    kernel.attention_units(layer, step, starts)
+    expected = [0]  # the decode
+    for m in range(1, 21, lanes):  # the 20-row prompt chunk in tiles of at most `lanes` rows
+        expected.append(m)
+    if 21 - expected[-1] < 4:  # a tail shorter than a tile goes a row at a time
+        expected += list(range(expected[-1] + 1, 21))
+    expected += [21, 22, 23, 24, 30, 36]  # 3 rows: singles; two 6-row tiles; the last decode
+    assert step.num_units == len(expected)
+    assert starts[: step.num_units + 1].tolist() == [*expected, 37]
+    with pytest.raises(ValueError, match="int64"):
+        kernel.attention_units(layer, step, torch.empty(3, dtype=torch.int64))

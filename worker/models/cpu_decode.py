@@ -97,6 +97,7 @@ class CpuDecodeStep:
             assert isinstance(layer, DecoderLayer)
             self.layers.append(self._layer_args(layer, kv))
         self._work = torch.empty(0)
+        self._unit_starts = torch.empty(0, dtype=torch.int64)  # attention's units, filled a slice at a time
 
     def _tensor(self, t: torch.Tensor | None) -> int | None:
         if t is None:
@@ -185,6 +186,8 @@ class CpuDecodeStep:
         need = self.kernel.work_floats(self.layers[0], rows_a_call)
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
+        if self._unit_starts.numel() <= rows_a_call:
+            self._unit_starts = torch.empty(rows_a_call + 1, dtype=torch.int64)
         call = self.kernel.layer
         for start in range(0, num_rows, rows_a_call):
             end = min(num_rows, start + rows_a_call)
@@ -202,6 +205,7 @@ class CpuDecodeStep:
                 work=self._work.data_ptr(),
                 num_threads=torch.get_num_threads(),
             )
+            self.kernel.attention_units(self.layers[0], step, self._unit_starts)
             step_ref = ctypes.byref(step)
             for layer in self.layers:
                 call(ctypes.byref(layer), step_ref)
