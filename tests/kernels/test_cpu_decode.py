@@ -296,12 +296,13 @@ def test_a_float32_step_takes_as_many_rows_a_call_as_the_linears_take_a_pass(
 
 
 def test_attention_units_are_a_prompts_consecutive_rows_or_single_rows(kernel: DecodeLayerKernel) -> None:
-    """A step's attention units, computed once a step: a run of 4 to a vector's lanes (16 floats on
-    AVX-512, 8 on AVX2) consecutive rows of one sequence is a tile; decodes, a run shorter than 4 and
-    rows of another sequence at the same positions (other blocks) are single rows."""
+    """A step's attention units, computed once a step: a run of 4 up to a vector's lanes (16 floats
+    on AVX-512, 8 on AVX2) of one sequence's consecutive rows is a tile; a decode and a run shorter
+    than 4 go a row at a time; rows whose positions follow on from another sequence's, over other
+    blocks, start a unit of their own."""
     lanes = 16 if kernel.isa.startswith("avx512") else 8
-    # (sequence's first block, first position, rows): consecutive tokens of one sequence each
-    # the last two 6-row runs: positions that follow on, in other blocks (another sequence)
+    # (sequence's first block, first position, rows), consecutive tokens each; the two 6-row runs'
+    # positions follow on (6..11, then 12..17) over other blocks: two sequences
     runs = [(0, 7, 1), (10, 0, 20), (20, 40, 3), (30, 5, 6), (40, 11, 6), (50, 99, 1)]
     seq_lens, tables = [], []
     for first_block, start, rows in runs:
