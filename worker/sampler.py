@@ -13,7 +13,7 @@ its own generator and gets the same token whatever else is in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +80,11 @@ def _has_penalties(params: SamplingParams) -> bool:
 
 
 class Sampler:
-    """Stateless: every per-request input (history, generator) comes in with the rows."""
+    """Stateless: every per-request input (history, generator) comes in with the rows. ``argmax``:
+    how greedy rows pick (``argmax`` above, or the runner's faster one with the same result)."""
+
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = argmax) -> None:
+        self._argmax = argmax
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
@@ -90,16 +94,16 @@ class Sampler:
             for p in params
         ) and all(row.allowed is None for row in rows):
             # The hot path: one kernel, and bit-identical to HF's greedy decoding.
-            return SamplerOutput(argmax(logits).tolist(), [None] * len(rows))
+            return SamplerOutput(self._argmax(logits).tolist(), [None] * len(rows))
 
         logits = apply_penalties(apply_allowed(apply_logit_bias(logits, rows), rows), rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if len(greedy) == len(rows):
-            token_ids = argmax(logits)  # no row copy when every row is greedy
+            token_ids = self._argmax(logits)  # no row copy when every row is greedy
         elif greedy:
-            token_ids[greedy] = argmax(logits[greedy])
+            token_ids[greedy] = self._argmax(logits[greedy])
         if sampled:
             token_ids[sampled] = _sample(logits[sampled], [rows[i] for i in sampled])
         token_id_list: list[int] = token_ids.tolist()
