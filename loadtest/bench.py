@@ -15,6 +15,7 @@ JSON object; ``--record`` also writes it into the scenario's block in docs/bench
     tierserve bench quant --json [--record]              quantized formats vs the float model
     tierserve bench structured --json [--record]         what grammars cost the plain streams beside them
     tierserve bench tp --json [--record]                 tensor parallelism over gloo: equal tokens at tp=2
+    tierserve bench sampler --json [--record]            the sampler's C row operations vs torch's
 
 Arguments after the scenario's name that ``bench`` does not know go to the scenario
 (``tierserve bench engine --num-requests 8``). A new scenario is one entry in ``SCENARIOS``.
@@ -115,6 +116,12 @@ def _tp(argv: list[str]) -> dict[str, object]:
     return tp_bench.run(tp_bench.parse_args(argv))
 
 
+def _sampler(argv: list[str]) -> dict[str, object]:
+    from loadtest import sampler_bench  # lazy: imports torch
+
+    return sampler_bench.run(sampler_bench.parse_args(argv))
+
+
 def _peers(argv: list[str]) -> dict[str, object]:
     from loadtest import peers_bench
 
@@ -143,6 +150,7 @@ SCENARIOS: dict[str, Scenario] = {
             "structured", "plain streams' TPOT beside JSON-schema ones vs beside plain ones", _structured
         ),
         Scenario("tp", "tensor parallelism over gloo: the tokens of one process, at tp=2 (and 3)", _tp),
+        Scenario("sampler", "the sampler's row operations in C vs the torch references, one batch", _sampler),
     )
 }
 

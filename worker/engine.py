@@ -71,7 +71,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.kv_cache, self.policies
         )
-        self.sampler = Sampler(runner.argmax)
+        self.sampler = Sampler(runner.sampling)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | _tokenizer_eos(tokenizer)
         self._states: dict[str, RequestState] = {}
         # Structured outputs: grammars compile on their own thread; a request enters the scheduler

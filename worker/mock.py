@@ -20,18 +20,18 @@ import dataclasses
 import hashlib
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kernels.sampling import TORCH_SAMPLING, SamplingOps
 from wire.byte_tokenizer import BOS_ID, BYTE_OFFSET, EOS_ID, VOCAB_SIZE, ByteTokenizer
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.models.config import ModelConfig
 from worker.policy_set import WorkerPolicies
 from worker.request import Request
-from worker.sampler import argmax as sampler_argmax
 from worker.scheduler import SchedulerOutput
 
 __all__ = [
@@ -141,7 +141,7 @@ class MockRunner:
     # The chosen token's logit over 0 for the rest: p ≈ 0.99, so sampling at temperature 1 mostly agrees.
     peak_logit: float = 10.0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    argmax: Callable[[torch.Tensor], torch.Tensor] = sampler_argmax
+    sampling: SamplingOps = TORCH_SAMPLING
     last_step_seconds: float = 0.0  # what the cost model charged the last step (slept, less our own work)
     num_steps: int = 0
 

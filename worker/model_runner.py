@@ -19,8 +19,9 @@ captured for the smallest bucket >= B, its inputs padded (``worker.decode_graphs
 ``can_run`` takes (up to ``max_rows`` tokens, or more in slices on the builds where that is faster),
 prefill chunks included (a token a row). Other steps run the model eagerly.
 
-Greedy rows take their token by the runner's ``argmax``: on CPU with ``cpu_kernels`` the C kernel of
-``kernels/cpu/argmax.c``, elsewhere the sampler's (torch's ``max``); the same indices either way.
+The sampler's row operations (the greedy argmax, the top-k / top-p cut) are the runner's ``sampling``:
+on CPU with ``cpu_kernels`` the C kernels of ``kernels/cpu/sampling.c``, elsewhere the torch
+references (``kernels/sampling.py``); the same tokens either way.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from kernels.cpu.argmax import RowArgmax, load_argmax_kernel
 from kernels.cpu.build import KernelBuildError
+from kernels.cpu.sampling import CpuSamplingOps, load_sampling_kernels
+from kernels.sampling import TORCH_SAMPLING, SamplingOps
 from worker.attention import (
     AttentionMetadata,
     KernelBackend,
@@ -66,7 +67,6 @@ from worker.models.quant import (
 )
 from worker.models.store import kernel_cache_dir
 from worker.request import Request
-from worker.sampler import argmax as sampler_argmax
 from worker.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -95,12 +95,13 @@ class DecodeStep(Protocol):
 
 class StepRunner(Protocol):
     """What the engine needs from a runner: run one scheduled step, return logits to sample from;
-    ``argmax``: each row's greedy token over those logits (the sampler's, or a faster equal one)."""
+    ``sampling``: the sampler's row operations over those logits (the torch references, or faster
+    ones with the same results)."""
 
     device: torch.device
 
     @property
-    def argmax(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+    def sampling(self) -> SamplingOps: ...
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]: ...
 
@@ -114,7 +115,7 @@ class ModelRunner:
         device: torch.device,
         backend: KernelBackend = KernelBackend.TORCH,
         decode_step: DecodeStep | None = None,
-        argmax: Callable[[torch.Tensor], torch.Tensor] = sampler_argmax,
+        sampling: SamplingOps = TORCH_SAMPLING,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -122,7 +123,7 @@ class ModelRunner:
         self.device = device
         self.backend = backend
         self.decode_step = decode_step
-        self.argmax = argmax
+        self.sampling = sampling
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
@@ -329,18 +330,25 @@ def build_model_runner(config: EngineConfig, model_path: Path) -> tuple[ModelRun
         from worker.tp_step import TensorParallelRunner  # imports this module
 
         runner_class = TensorParallelRunner
-    argmax = cpu_argmax(kernel_cache_dir()) if config.cpu_kernels and device.type == "cpu" else None
+    sampling = cpu_sampling(kernel_cache_dir()) if config.cpu_kernels and device.type == "cpu" else None
     runner = runner_class(
-        model, kv_caches, config.block_size, device, backend, graphs or decode_step, argmax or sampler_argmax
+        model,
+        kv_caches,
+        config.block_size,
+        device,
+        backend,
+        graphs or decode_step,
+        sampling or TORCH_SAMPLING,
     )
     return runner, model_config, num_blocks
 
 
-def cpu_argmax(cache_dir: Path) -> RowArgmax | None:
-    """The greedy rows' C argmax (``kernels/cpu/argmax.c``: ~0.3 ms where torch's ``max`` took ~1.1 ms
-    of a 32-row AVX2 decode step), or None without a C compiler (logged)."""
+def cpu_sampling(cache_dir: Path) -> CpuSamplingOps | None:
+    """The sampler's row operations in C (``kernels/cpu/sampling.c``: the greedy argmax ~0.3 ms where
+    torch's ``max`` took ~1.1 ms of a 32-row AVX2 decode step; the top-k / top-p cut by selection where
+    torch sorted every row), or None without a C compiler (logged)."""
     try:
-        return load_argmax_kernel(cache_dir)
+        return load_sampling_kernels(cache_dir)
     except KernelBuildError as exc:
-        log.info("greedy argmax: torch's (no C kernel: %s)", exc)
+        log.info("sampling: torch's row operations (no C kernel: %s)", exc)
         return None

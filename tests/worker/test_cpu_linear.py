@@ -9,18 +9,18 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.cpu.argmax import RowArgmax
+from kernels.cpu.sampling import CpuSamplingOps
+from kernels.sampling import TORCH_SAMPLING
 from tests.worker.test_models_tiny import _save_hf
 from wire.byte_tokenizer import ByteTokenizer
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.cpu_isa import IsaLevel, caps_from_flags, probe
 from worker.engine import Engine
-from worker.model_runner import ModelRunner, build_model_runner, cpu_argmax
+from worker.model_runner import ModelRunner, build_model_runner, cpu_sampling
 from worker.models.cpu_decode import CpuDecodeStep, fused_decode_step
 from worker.models.cpu_linear import DecodeLinear, PanelEmbedding, PanelLinear, use_decode_linears
 from worker.models.loader import load_model
-from worker.sampler import argmax as sampler_argmax
 
 pytestmark = pytest.mark.isa
 AVX2 = {"avx", "avx2", "fma"}
@@ -56,8 +56,8 @@ def test_greedy_output_is_unchanged_alone_and_batched(name: str, tmp_path: Path)
     # decode-only steps take the fused C layer (the prompts' lengths differ: mixed steps happen too)
     assert isinstance(fast.runner.decode_step, CpuDecodeStep) == (probe().level >= IsaLevel.AVX2)
     assert plain.runner.decode_step is None
-    # greedy rows pick by the C argmax on the fast engine, by torch's on the plain one
-    assert isinstance(fast.runner.argmax, RowArgmax) and plain.runner.argmax is sampler_argmax
+    # the sampler's row operations: C on the fast engine, the torch references on the plain one
+    assert isinstance(fast.runner.sampling, CpuSamplingOps) and plain.runner.sampling is TORCH_SAMPLING
     batched = [c.token_ids for c in fast.generate(prompts, params)]
     assert batched == [c.token_ids for c in plain.generate(prompts, params)]
     assert [fast.generate([p], params)[0].token_ids for p in prompts] == batched
@@ -112,11 +112,11 @@ def test_the_fused_decode_step_is_skipped_where_it_cannot_run(
     assert fused_decode_step(model, [], None, tmp_path) is None
 
 
-def test_greedy_argmax_is_torchs_without_a_compiler(
+def test_sampling_is_torchs_without_a_compiler(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert isinstance(cpu_argmax(tmp_path / "k"), RowArgmax)
+    assert isinstance(cpu_sampling(tmp_path / "k"), CpuSamplingOps)
     monkeypatch.setenv("CC", "no-such-compiler")
     with caplog.at_level(logging.INFO):
-        assert cpu_argmax(tmp_path / "other") is None
-    assert "greedy argmax: torch's (no C kernel: no C compiler" in caplog.text
+        assert cpu_sampling(tmp_path / "other") is None
+    assert "sampling: torch's row operations (no C kernel: no C compiler" in caplog.text

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels.cpu.build import KernelBuildError
+from kernels.cpu.sampling import load_sampling_kernels
+from kernels.sampling import TORCH_SAMPLING, SamplingOps
 from wire.sampling import SamplingParams
 from worker.sampler import (
     Sampler,
@@ -17,11 +20,26 @@ from worker.sampler import (
     TokenLogprobs,
     apply_allowed,
     apply_penalties,
-    argmax,
     make_generator,
 )
 
 VOCAB = 64
+
+
+@pytest.fixture(scope="module", autouse=True, params=["torch", "c"])
+def ops(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SamplingOps]:
+    """Every ``Sampler()`` of this module runs over each implementation of the row operations: the torch
+    references and the C kernels (the runner's on CPU)."""
+    if request.param == "torch":
+        chosen: SamplingOps = TORCH_SAMPLING
+    else:
+        try:
+            chosen = load_sampling_kernels(tmp_path_factory.mktemp("kernels"))
+        except KernelBuildError as exc:
+            pytest.skip(f"no C kernels: {exc}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Sampler.__init__, "__defaults__", (chosen,))
+        yield chosen
 
 
 def row(
@@ -52,7 +70,7 @@ def test_our_argmax_is_torch_s_on_ties_nan_and_inf(num_rows: int, vocab: int, se
     weights = torch.tensor([8.0, 8.0, 4.0, 1.0, 1.0, 0.5])
     index = torch.multinomial(weights, num_rows * vocab, replacement=True, generator=generator)
     scores = values[index].view(num_rows, vocab)
-    assert argmax(scores).tolist() == torch.argmax(scores, dim=-1).tolist()
+    assert TORCH_SAMPLING.argmax(scores).tolist() == torch.argmax(scores, dim=-1).tolist()
 
 
 def test_greedy_rows_in_a_mixed_batch_equal_argmax() -> None:

@@ -1,0 +1,77 @@
+"""The sampler's row operations in C on CPU: ``sampling.c``'s launcher. The references and the rules are
+``kernels/sampling.py``'s (``TORCH_SAMPLING``), which also take what the kernels do not: anything but
+contiguous float32 ``[M, N]`` CPU rows with N > 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels.cpu.build import load_library
+from kernels.sampling import TORCH_SAMPLING
+
+SOURCE = Path(__file__).parent / "sampling.c"
+
+
+def _takes(x: torch.Tensor) -> bool:
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[1] > 0
+        and x.is_contiguous()
+    )
+
+
+class CpuSamplingOps:
+    """A ``kernels.sampling.SamplingOps`` by the C kernels."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._argmax = library.argmax_rows_f32
+        self._argmax.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        self._argmax.restype = None
+        self._cut = library.cut_rows_f32
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        self._cut.argtypes = [pointer, pointer, size, size, pointer, pointer, ctypes.c_int, pointer]
+        self._cut.restype = None
+
+    def argmax(self, scores: torch.Tensor) -> torch.Tensor:
+        if not _takes(scores):
+            return TORCH_SAMPLING.argmax(scores)
+        num_rows, num_cols = scores.shape
+        out = torch.empty(num_rows, dtype=torch.int64)
+        self._argmax(scores.data_ptr(), num_rows, num_cols, torch.get_num_threads(), out.data_ptr())
+        return out
+
+    def thresholds(
+        self, logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    ) -> torch.Tensor:
+        if not (_takes(logits) and _takes(weights) and weights.shape == logits.shape):
+            return TORCH_SAMPLING.thresholds(logits, weights, top_k, top_p)
+        num_rows, num_cols = logits.shape
+        k = top_k.to(device="cpu", dtype=torch.int64).contiguous()
+        p = top_p.to(device="cpu", dtype=torch.float32).contiguous()
+        if k.shape != (num_rows,) or p.shape != (num_rows,):
+            raise ValueError(f"top_k, top_p: expected [{num_rows}], got {tuple(k.shape)}, {tuple(p.shape)}")
+        out = torch.empty(num_rows, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        pointers = (logits.data_ptr(), weights.data_ptr())
+        self._cut(*pointers, num_rows, num_cols, k.data_ptr(), p.data_ptr(), threads, out.data_ptr())
+        if bool(out.isnan().any()):  # a thread could not get its scratch memory
+            return TORCH_SAMPLING.thresholds(logits, weights, top_k, top_p)
+        return out
+
+
+def load_sampling_kernels(cache_dir: Path) -> CpuSamplingOps:
+    """Build (once per cache folder) and load the kernels; ``KernelBuildError`` without a working C
+    compiler. No ISA target: they run on every x86-64 CPU."""
+    return CpuSamplingOps(load_library(SOURCE, cache_dir))

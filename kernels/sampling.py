@@ -1,0 +1,57 @@
+"""The sampler's two row operations: the torch references (the spec, and the path on GPU) and the
+protocol a faster implementation meets (``kernels/cpu/sampling.py``: C on CPU).
+
+- ``argmax(scores)``: each row's first maximal index, a NaN counting as maximal (the first NaN wins):
+  torch's ``max(dim=-1).indices``.
+- ``thresholds(logits, weights, top_k, top_p)``: each row's top-k / top-p cut as a logit: the row keeps
+  the tokens whose logit is at least it. ``weights`` are the row's tempered probabilities up to a
+  constant factor (``exp((logits - max) / temperature)``); ``top_k`` 0 is none; ``top_p`` 1 is none.
+  Top-k keeps the k largest logits and every tie with the k-th. Top-p, over what top-k kept, keeps a
+  token when the mass of the tokens strictly above its logit is below ``top_p`` of the kept mass: the
+  smallest set that reaches ``top_p``, with the ties of its last token, and always the most likely.
+  Masses are summed in float64. A row without a cut gets its top-k's k-th logit, or -inf.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class SamplingOps(Protocol):
+    def argmax(self, scores: torch.Tensor) -> torch.Tensor: ...
+
+    def thresholds(
+        self, logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class TorchSamplingOps:
+    """The references, on any device: one sort of every row for ``thresholds``."""
+
+    def argmax(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores.max(dim=-1).indices
+
+    def thresholds(
+        self, logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    ) -> torch.Tensor:
+        """``logits`` and ``weights`` ``[n, V]``; ``top_k`` int64 ``[n]``; ``top_p`` ``[n]`` -> ``[n]``
+        float32 (the module's docstring has the rule)."""
+        vocab_size = logits.shape[1]
+        values, order = logits.sort(dim=-1, descending=True)
+        k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size).unsqueeze(1)
+        kth = values.gather(1, k - 1)
+        in_k = values >= kth
+        mass = weights.gather(1, order).to(torch.float64) * in_k
+        kept_mass = mass.sum(dim=-1, keepdim=True)
+        # the mass before a token in the sorted row: strictly above it for the first of its ties, so
+        # the smallest value kept is the rule's (the cut keeps every tie of a value it keeps)
+        above = mass.cumsum(dim=-1) - mass
+        keep = in_k & (above < top_p.to(torch.float64).unsqueeze(1) * kept_mass)
+        cut = torch.where(keep, values, float("inf")).amin(dim=-1)
+        cut = torch.where(top_p >= 1.0, kth.squeeze(1), cut)
+        return torch.where((top_k > 0) & (top_k < vocab_size) | (top_p < 1.0), cut, float("-inf"))
+
+
+TORCH_SAMPLING = TorchSamplingOps()
