@@ -90,62 +90,55 @@ static float kth_largest(float *v, float *w, int64_t n, int64_t k) {
 /* Weights (relative to the top token's 1) a row's selections look among first: the tokens at or above
  * a level are a top set, closed under ties (a weight is monotone in its logit), so when they hold the
  * k tokens, or the mass, a cut needs, the cut is among them. Partitioning mispredicts a branch a token:
- * over the whole vocabulary it took ~1.5 ms a row of 49152 for top-p; a level's pass is vectorised. */
-static const float LEVELS[] = {1e-2f, 1e-4f, 1e-6f, 1e-9f, 0.0f};
-#define NUM_LEVELS (int)(sizeof(LEVELS) / sizeof(LEVELS[0]))
+ * over the whole vocabulary it took ~1.5 ms a row of 49152 for top-p; one vectorised pass counts and
+ * weighs every level at once, and the selection runs over the first level that suffices. */
+#define NUM_LEVELS 8
+static const float LEVELS[NUM_LEVELS] = {1e-1f, 1e-2f, 1e-3f, 1e-4f, 1e-5f, 1e-6f, 1e-8f, 0.0f};
 
-/* Tokens with logit >= floor and weight >= level, into v and w; returns how many. */
-static int64_t gather(const float *logits, const float *weights, int64_t n, float floor, float level, float *v,
-                      float *w) {
-    int64_t m = 0;
+/* One pass over a row's weights (a NaN among the logits, or an infinite one, makes them NaN): whether
+ * it holds a NaN, each level's tokens (count) and weight (mass, in float: a guide only, the mass that
+ * decides is gather's), and the row's whole weight in float64 (returned). */
+static double survey(const float *weights, int64_t n, int count[NUM_LEVELS], float mass[NUM_LEVELS], int *nan) {
+    int c0 = 0, c1 = 0, c2 = 0, c3 = 0, c4 = 0, c5 = 0, c6 = 0, bad = 0;
+    float m0 = 0, m1 = 0, m2 = 0, m3 = 0, m4 = 0, m5 = 0, m6 = 0;
+    double total = 0;
+#define LEVEL(j) c##j += x >= LEVELS[j], m##j += x >= LEVELS[j] ? x : 0.0f
+#pragma omp simd reduction(+ : c0, c1, c2, c3, c4, c5, c6, m0, m1, m2, m3, m4, m5, m6, total) reduction(| : bad)
     for (int64_t i = 0; i < n; i++) {
-        v[m] = logits[i], w[m] = weights[i];
-        m += logits[i] >= floor && weights[i] >= level; /* no branch to mispredict */
+        const float x = weights[i];
+        bad |= x != x;
+        LEVEL(0), LEVEL(1), LEVEL(2), LEVEL(3), LEVEL(4), LEVEL(5), LEVEL(6);
+        total += x;
     }
+#undef LEVEL
+    const int counts[NUM_LEVELS] = {c0, c1, c2, c3, c4, c5, c6, (int)n};
+    const float masses[NUM_LEVELS] = {m0, m1, m2, m3, m4, m5, m6, (float)total};
+    for (int j = 0; j < NUM_LEVELS; j++) count[j] = counts[j], mass[j] = masses[j];
+    *nan = bad;
+    return total;
+}
+
+/* Tokens with logit >= floor and weight >= level, into v and w (a branch a token, taken rarely at the
+ * levels that serve); returns how many, their weight (float64) in *mass. */
+static int64_t gather(const float *logits, const float *weights, int64_t n, float floor, float level, float *v,
+                      float *w, double *mass) {
+    int64_t m = 0;
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (weights[i] >= level && logits[i] >= floor) { /* the logit read only for the few kept */
+            v[m] = logits[i], w[m] = weights[i], sum += weights[i];
+            m++;
+        }
+    *mass = sum;
     return m;
 }
 
-/* One row's cut (kernels/sampling.py's rule); v, w: scratch of n floats each. */
-static float cut_row(const float *logits, const float *weights, int64_t n, int64_t k, float p, float *v,
-                     float *w) {
-    const int limited = k > 0 && k < n;
-    if (!limited && p >= 1.0f) return -INFINITY;
-    int nan = 0;
-#pragma omp simd reduction(| : nan)
-    for (int64_t i = 0; i < n; i++) nan |= logits[i] != logits[i] || weights[i] != weights[i];
-    if (nan) return -INFINITY; /* no cut: the sampler takes the row's first NaN */
-    float kth = -INFINITY;
-    if (limited) {
-        for (int l = 0; l < NUM_LEVELS; l++) {
-            const float level = LEVELS[l];
-            int64_t count = 0;
-#pragma omp simd reduction(+ : count)
-            for (int64_t i = 0; i < n; i++) count += weights[i] >= level;
-            if (count >= k) {
-                kth = kth_largest(v, w, gather(logits, weights, n, -INFINITY, level, v, w), k);
-                break;
-            }
-        }
-    }
-    if (p >= 1.0f) return kth;
-    double kept = 0;
-#pragma omp simd reduction(+ : kept)
-    for (int64_t i = 0; i < n; i++) kept += logits[i] >= kth ? weights[i] : 0.0f;
-    /* [lo, hi): the tokens still undecided, all below those decided kept (whose mass is `above`) */
-    const double target = (double)p * kept;
-    int64_t lo = 0, hi = 0;
-    for (int l = 0; l < NUM_LEVELS; l++) {
-        const float level = LEVELS[l];
-        double mass = 0;
-#pragma omp simd reduction(+ : mass)
-        for (int64_t i = 0; i < n; i++) mass += logits[i] >= kth && weights[i] >= level ? weights[i] : 0.0f;
-        if (mass >= target || l == NUM_LEVELS - 1) {
-            hi = gather(logits, weights, n, kth, level, v, w);
-            break;
-        }
-    }
-    double above = 0;
-    float cut = kth;
+/* The smallest logit top-p keeps of v[0, m) (w beside it), given that their mass reaches target and
+ * that every token outside them is below them all: a three-way quickselect by mass. */
+static float mass_cut(float *v, float *w, int64_t m, double target) {
+    double above = 0; /* the mass of the tokens decided kept, all above [lo, hi) */
+    float cut = v[0];
+    int64_t lo = 0, hi = m;
     while (lo < hi) {
         float pivot = median3(v[lo], v[lo + (hi - lo) / 2], v[hi - 1]);
         int64_t g, e;
@@ -161,6 +154,33 @@ static float cut_row(const float *logits, const float *weights, int64_t n, int64
         lo = e;
     }
     return cut;
+}
+
+/* One row's cut (kernels/sampling.py's rule); v, w: scratch of n floats each. */
+static float cut_row(const float *logits, const float *weights, int64_t n, int64_t k, float p, float *v,
+                     float *w) {
+    const int limited = k > 0 && k < n;
+    if (!limited && p >= 1.0f) return -INFINITY;
+    int count[NUM_LEVELS], nan;
+    float mass[NUM_LEVELS];
+    double kept = survey(weights, n, count, mass, &nan);
+    if (nan) return -INFINITY; /* no cut: the sampler takes the row's first NaN */
+    if (limited) { /* the k-th largest among the first level holding k tokens; then top-k's set */
+        int j = 0;
+        while (count[j] < k) j++;
+        const float kth = kth_largest(v, w, gather(logits, weights, n, -INFINITY, LEVELS[j], v, w, &kept), k);
+        if (p >= 1.0f) return kth;
+        int64_t m = gather(logits, weights, n, kth, 0.0f, v, w, &kept);
+        return mass_cut(v, w, m, (double)p * kept);
+    }
+    const double target = (double)p * kept;
+    for (int j = 0; j < NUM_LEVELS; j++) {
+        if (mass[j] < target * 0.999 && j < NUM_LEVELS - 1) continue; /* short by more than rounding */
+        double held;
+        int64_t m = gather(logits, weights, n, -INFINITY, LEVELS[j], v, w, &held);
+        if (held >= target || j == NUM_LEVELS - 1) return mass_cut(v, w, m, target);
+    }
+    return -INFINITY; /* not reached: the last level holds every token */
 }
 
 /* thresholds[m] for rows of logits and weights [M, N]; top_k[m] (0: none), top_p[m] (1: none). */

@@ -155,6 +155,8 @@ def test_a_mass_exactly_at_p_is_not_below_it(ops: CpuSamplingOps) -> None:
 def test_the_c_cut_gives_a_nan_row_none_and_takes_the_rest_to_the_reference(ops: CpuSamplingOps) -> None:
     logits, weights, top_k, top_p, _ = cases(50, 7)
     logits[3, 10] = NAN
+    weights[3] = weights_of(logits[3:4], 1.0)[0]  # a NaN logit: its row's weights NaN
+    assert bool(weights[3].isnan().any())
     got = ops.thresholds(logits, weights, top_k, top_p)
     assert got[3] == -INF
     keep = [i for i in range(logits.shape[0]) if i != 3]
