@@ -156,45 +156,48 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
     Repetition (HF/CTRL): over prompt and output tokens, positive logits are divided by the penalty
     and negative ones multiplied. Presence and frequency (OpenAI): over output tokens only,
-    ``logit -= presence * (count > 0) + frequency * count``.
+    ``logit -= presence * (count > 0) + frequency * count``. Only the logits of tokens a row has seen
+    change, so only those are read and written (gathered by flat index, ``row * V + token``): building
+    ``[rows, V]`` count tensors took ~19 ms for 32 rows of 49152 with 700 tokens seen each.
     """
     penalized = [i for i, row in enumerate(rows) if _has_penalties(row.params)]
     if not penalized:
         return logits
-    num_rows, vocab_size = len(penalized), logits.shape[1]
-    device = logits.device
-    sub = [rows[i] for i in penalized]
-    x = logits[penalized]  # advanced indexing copies, so the caller's tensor stays as it was
-
-    repetition = torch.tensor([r.params.repetition_penalty for r in sub], device=device).unsqueeze(1)
-    seen = _token_counts(
-        [[*r.prompt_token_ids, *r.output_token_ids] for r in sub], num_rows, vocab_size, device
-    )
-    x = torch.where(seen > 0, torch.where(x < 0, x * repetition, x / repetition), x)
-
-    counts = _token_counts([r.output_token_ids for r in sub], num_rows, vocab_size, device)
-    presence = torch.tensor([r.params.presence_penalty for r in sub], device=device).unsqueeze(1)
-    frequency = torch.tensor([r.params.frequency_penalty for r in sub], device=device).unsqueeze(1)
-    x = x - presence * (counts > 0) - frequency * counts
-
+    device, vocab_size = logits.device, logits.shape[1]
     out = logits.clone()
-    out[penalized] = x
+    flat = out.view(-1)
+
+    seen, seen_rows = _seen(
+        [(i, [*rows[i].prompt_token_ids, *rows[i].output_token_ids]) for i in penalized], vocab_size, device
+    )
+    repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[seen_rows]
+    values = flat[seen]
+    flat[seen] = torch.where(values < 0, values * repetition, values / repetition)
+
+    output, output_rows, counts = _seen(
+        [(i, rows[i].output_token_ids) for i in penalized], vocab_size, device, with_counts=True
+    )
+    presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)[output_rows]
+    frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[output_rows]
+    flat[output] = flat[output] - presence - frequency * counts
     return out
 
 
-def _token_counts(
-    token_ids: Sequence[Sequence[int]], num_rows: int, vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """``[num_rows, vocab_size]`` float32 occurrence counts, built with one scatter (no padding)."""
-    counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
-    flat = [t for ids in token_ids for t in ids]
-    if flat:
-        row_index = torch.repeat_interleave(
-            torch.arange(num_rows), torch.tensor([len(ids) for ids in token_ids])
-        ).to(device)
-        col_index = torch.tensor(flat, dtype=torch.long, device=device)
-        counts.index_put_((row_index, col_index), torch.ones(len(flat), device=device), accumulate=True)
-    return counts
+def _seen(
+    token_ids: Sequence[tuple[int, Sequence[int]]],
+    vocab_size: int,
+    device: torch.device,
+    with_counts: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """The distinct flat indices ``row * vocab_size + token`` of ``(row, tokens)`` pairs, each one's row
+    and, ``with_counts``, its number of occurrences (float32)."""
+    keys = [row * vocab_size + t for row, ids in token_ids for t in ids]
+    flat = torch.tensor(keys, dtype=torch.long, device=device)
+    if not with_counts:
+        distinct = torch.unique(flat)
+        return distinct, distinct // vocab_size
+    distinct, counts = torch.unique(flat, return_counts=True)
+    return distinct, distinct // vocab_size, counts.to(torch.float32)
 
 
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow], ops: SamplingOps) -> torch.Tensor:

@@ -191,6 +191,30 @@ def test_all_penalties_combined_and_only_on_their_rows() -> None:
     assert out.tolist() == [[1.0, -1.0, -1.75, 0.0], [2.0, -1.0, 0.5, 0.0]]
 
 
+def test_penalties_equal_the_dense_computation_over_random_histories() -> None:
+    """The sparse update (only the logits of seen tokens) against the whole-row formula, bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, VOCAB, generator=gen) * 4
+    params = [
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.25),
+        SamplingParams(),  # no penalties: untouched
+        SamplingParams(repetition_penalty=0.8),
+        SamplingParams(presence_penalty=-0.5, frequency_penalty=1.5),
+    ]
+    histories = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (30, 5, 80, 0, 12, 50, 7, 20)]
+    rows = [row(p, prompt=histories[2 * i], output=histories[2 * i + 1]) for i, p in enumerate(params)]
+    expected = logits.clone()
+    for i, p in enumerate(params):
+        seen = torch.zeros(VOCAB, dtype=torch.bool)
+        seen[histories[2 * i] + histories[2 * i + 1]] = True
+        x = logits[i]
+        x = torch.where(seen, torch.where(x < 0, x * p.repetition_penalty, x / p.repetition_penalty), x)
+        counts = torch.zeros(VOCAB).index_add_(0, torch.tensor(histories[2 * i + 1], dtype=torch.long),
+                                               torch.ones(len(histories[2 * i + 1])))  # fmt: skip
+        expected[i] = x - p.presence_penalty * (counts > 0) - p.frequency_penalty * counts
+    assert torch.equal(apply_penalties(logits, rows), expected)
+
+
 def test_penalties_change_the_greedy_choice() -> None:
     logits = torch.tensor([[3.0, 2.5, 0.0]])
     params = SamplingParams(temperature=0.0, repetition_penalty=1.5)
