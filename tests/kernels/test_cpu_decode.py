@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu.build import KernelBuildError, compiler
 from kernels.cpu.decode import (
     KERNELS,
     QUANT_KERNELS,
@@ -27,6 +26,7 @@ from kernels.cpu.decode import (
     load_decode_kernel,
     load_quant_decode_kernel,
 )
+from tests.kernels.cc import NEEDS_CC
 from tests.worker.test_models_tiny import _save_hf
 from worker.attention import AttentionMetadata, allocate_kv_cache
 from worker.cpu_isa import IsaLevel, probe
@@ -40,12 +40,7 @@ NEEDS = {"avx512": IsaLevel.AVX512, "avx2": IsaLevel.AVX2, "avx512_bf16": IsaLev
 BLOCK_SIZE = 4
 NUM_BLOCKS = 160
 
-try:
-    compiler()
-    HAS_CC = True
-except KernelBuildError:
-    HAS_CC = False
-pytestmark = [pytest.mark.isa, pytest.mark.skipif(not HAS_CC, reason="no C compiler on PATH")]
+pytestmark = [pytest.mark.isa, NEEDS_CC]
 
 
 # Models of a real model's attention shape, wider than the rest (192, 256): the bfloat16 builds are

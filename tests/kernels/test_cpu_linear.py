@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu.build import KernelBuildError, compiler, load_library
+from kernels.cpu.build import KernelBuildError, load_library
 from kernels.cpu.linear import (
     ISAS,
     PANEL,
@@ -21,17 +21,13 @@ from kernels.cpu.linear import (
     pack_weight,
     packed_shape,
 )
+from tests.kernels.cc import NEEDS_CC
 from worker.cpu_isa import IsaLevel, probe
 from worker.models.weight_arena import WeightArena
 
 NEEDS = {"avx512": IsaLevel.AVX512, "avx2": IsaLevel.AVX2}
 
-try:
-    compiler()
-    HAS_CC = True
-except KernelBuildError:
-    HAS_CC = False
-pytestmark = pytest.mark.skipif(not HAS_CC, reason="no C compiler on PATH")
+pytestmark = NEEDS_CC
 
 
 @pytest.fixture(scope="module", params=ISAS)

@@ -10,16 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu.build import KernelBuildError, compiler
 from kernels.cpu.sampling import CpuSamplingOps, load_sampling_kernels
 from kernels.sampling import TORCH_SAMPLING
+from tests.kernels.cc import NEEDS_CC
 
-try:
-    compiler()
-    HAS_CC = True
-except KernelBuildError:
-    HAS_CC = False
-pytestmark = pytest.mark.skipif(not HAS_CC, reason="no C compiler on PATH")
+pytestmark = NEEDS_CC
 NAN, INF = float("nan"), float("inf")
 
 
