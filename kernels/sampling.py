@@ -3,7 +3,8 @@ protocol a faster implementation meets (``kernels/cpu/sampling.py``: C on CPU).
 
 - ``argmax(scores)``: each row's first maximal index, a NaN counting as maximal (the first NaN wins):
   torch's ``max(dim=-1).indices``.
-- ``thresholds(logits, weights, top_k, top_p)``: each row's top-k / top-p cut as a logit: the row keeps
+- ``thresholds(logits, weights, top_k, top_p)`` (and ``truncate``, which sets the weights below it to
+  0 in place): each row's top-k / top-p cut as a logit: the row keeps
   the tokens whose logit is at least it. ``weights`` are the row's tempered probabilities up to a
   constant factor, ``exp((logits - max) / temperature)``: monotone in the logit, the top token's 1,
   with a NaN in a row holding a NaN or +inf logit (such a row gets no cut). ``top_k`` 0 is none;
@@ -26,6 +27,11 @@ class SamplingOps(Protocol):
     def thresholds(
         self, logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     ) -> torch.Tensor: ...
+
+    def truncate(
+        self, logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    ) -> None:
+        """``weights`` (the caller's own) with every token below its row's threshold set to 0."""
 
 
 class TorchSamplingOps:
@@ -53,6 +59,12 @@ class TorchSamplingOps:
         cut = torch.where(keep, values, float("inf")).amin(dim=-1)
         cut = torch.where(top_p >= 1.0, kth.squeeze(1), cut)
         return torch.where((top_k > 0) & (top_k < vocab_size) | (top_p < 1.0), cut, float("-inf"))
+
+    def truncate(
+        self, logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    ) -> None:
+        cut = self.thresholds(logits, weights, top_k, top_p)
+        weights.masked_fill_(logits < cut.unsqueeze(1), 0.0)
 
 
 TORCH_SAMPLING = TorchSamplingOps()

@@ -40,9 +40,10 @@ class CpuSamplingOps:
         ]
         self._argmax.restype = None
         self._cut = library.cut_rows_f32
-        pointer, size = ctypes.c_void_p, ctypes.c_int64
-        self._cut.argtypes = [pointer, pointer, size, size, pointer, pointer, ctypes.c_int, pointer]
+        pointer, size, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._cut.argtypes = [pointer, pointer, size, size, pointer, pointer, flag, flag, pointer, pointer]
         self._cut.restype = None
+        self._scratch = torch.empty(0)  # 2 x vocabulary floats a thread, kept between calls
 
     def argmax(self, scores: torch.Tensor) -> torch.Tensor:
         if not _takes(scores):
@@ -55,19 +56,41 @@ class CpuSamplingOps:
     def thresholds(
         self, logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     ) -> torch.Tensor:
-        if not (_takes(logits) and _takes(weights) and weights.shape == logits.shape):
+        if not self._fits(logits, weights):
             return TORCH_SAMPLING.thresholds(logits, weights, top_k, top_p)
+        return self._run(logits, weights, top_k, top_p, drop=False)
+
+    def truncate(
+        self, logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    ) -> None:
+        if not self._fits(logits, weights):
+            TORCH_SAMPLING.truncate(logits, weights, top_k, top_p)
+            return
+        self._run(logits, weights, top_k, top_p, drop=True)
+
+    @staticmethod
+    def _fits(logits: torch.Tensor, weights: torch.Tensor) -> bool:
+        return _takes(logits) and _takes(weights) and weights.shape == logits.shape
+
+    def _run(
+        self,
+        logits: torch.Tensor,
+        weights: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        drop: bool,
+    ) -> torch.Tensor:
         num_rows, num_cols = logits.shape
         k = top_k.to(device="cpu", dtype=torch.int64).contiguous()
         p = top_p.to(device="cpu", dtype=torch.float32).contiguous()
         if k.shape != (num_rows,) or p.shape != (num_rows,):
             raise ValueError(f"top_k, top_p: expected [{num_rows}], got {tuple(k.shape)}, {tuple(p.shape)}")
-        out = torch.empty(num_rows, dtype=torch.float32)
         threads = torch.get_num_threads()
-        pointers = (logits.data_ptr(), weights.data_ptr())
-        self._cut(*pointers, num_rows, num_cols, k.data_ptr(), p.data_ptr(), threads, out.data_ptr())
-        if bool(out.isnan().any()):  # a thread could not get its scratch memory
-            return TORCH_SAMPLING.thresholds(logits, weights, top_k, top_p)
+        if self._scratch.numel() < threads * 2 * num_cols:
+            self._scratch = torch.empty(threads * 2 * num_cols, dtype=torch.float32)
+        out = torch.empty(num_rows, dtype=torch.float32)
+        pointers = (logits.data_ptr(), weights.data_ptr(), num_rows, num_cols, k.data_ptr(), p.data_ptr())
+        self._cut(*pointers, int(drop), threads, self._scratch.data_ptr(), out.data_ptr())
         return out
 
 

@@ -138,6 +138,21 @@ def test_the_c_cut_equals_the_reference(ops: CpuSamplingOps, threads: int, vocab
     assert bool((ops.thresholds(*flat_args)[:2] == 0.0).all())
 
 
+@pytest.mark.parametrize(("vocab", "seed"), [(2, 1), (64, 3), (49152, 5)])
+def test_truncate_zeroes_the_weights_below_the_cut_alike(
+    ops: CpuSamplingOps, threads: int, vocab: int, seed: int
+) -> None:
+    logits, weights, top_k, top_p, _ = cases(vocab, seed)
+    cut = TORCH_SAMPLING.thresholds(logits, weights, top_k, top_p)
+    by_c, by_torch = weights.clone(), weights.clone()
+    ops.truncate(logits, by_c, top_k, top_p)
+    TORCH_SAMPLING.truncate(logits, by_torch, top_k, top_p)
+    assert torch.equal(by_c, by_torch)
+    kept = logits >= cut.unsqueeze(1)
+    assert torch.equal(by_c[kept], weights[kept]) and bool((by_c[~kept] == 0).all())
+    assert bool(kept.any(dim=-1).all())  # the most likely token always stays
+
+
 def test_a_mass_exactly_at_p_is_not_below_it(ops: CpuSamplingOps) -> None:
     """Four tokens of equal weight, p = 0.5: the third has exactly half the mass above it, not less."""
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
