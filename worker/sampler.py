@@ -191,8 +191,8 @@ def _seen(
 ) -> tuple[torch.Tensor, ...]:
     """The distinct flat indices ``row * vocab_size + token`` of ``(row, tokens)`` pairs, each one's row
     and, ``with_counts``, its number of occurrences (float32)."""
-    keys = [row * vocab_size + t for row, ids in token_ids for t in ids]
-    flat = torch.tensor(keys, dtype=torch.long, device=device)
+    parts = [torch.tensor(ids, dtype=torch.long) + row * vocab_size for row, ids in token_ids]
+    flat = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long, device=device)
     if not with_counts:
         distinct = torch.unique(flat)
         return distinct, distinct // vocab_size
