@@ -3,15 +3,15 @@ protocol a faster implementation meets (``kernels/cpu/sampling.py``: C on CPU).
 
 - ``argmax(scores)``: each row's first maximal index, a NaN counting as maximal (the first NaN wins):
   torch's ``max(dim=-1).indices``.
-- ``thresholds(logits, weights, top_k, top_p)`` (and ``truncate``, which sets the weights below it to
-  0 in place): each row's top-k / top-p cut as a logit: the row keeps
-  the tokens whose logit is at least it. ``weights`` are the row's tempered probabilities up to a
-  constant factor, ``exp((logits - max) / temperature)``: monotone in the logit, the top token's 1,
-  with a NaN in a row holding a NaN or +inf logit (such a row gets no cut). ``top_k`` 0 is none;
-  ``top_p`` 1 is none. Top-k keeps the k largest logits and every tie with the k-th. Top-p, over what
-  top-k kept, keeps a token when the mass of the tokens strictly above its logit is below ``top_p`` of
-  the kept mass: the smallest set that reaches ``top_p``, with the ties of its last token, and always
-  the most likely. Masses are summed in float64. A row without a cut gets its top-k's k-th logit, or -inf.
+- ``thresholds(logits, weights, top_k, top_p)``: each row's top-k / top-p cut as a logit, the row
+  keeping the tokens whose logit is at least it (``truncate``: the weights below it set to 0, in
+  place). ``weights`` are the row's tempered probabilities up to a constant factor,
+  ``exp((logits - max) / temperature)``: monotone in the logit, the top token's 1, with a NaN in a row
+  holding a NaN or +inf logit (such a row gets no cut). ``top_k`` 0 is none; ``top_p`` 1 is none.
+  Top-k keeps the k largest logits and every tie with the k-th. Top-p, over what top-k kept, keeps a
+  token when the mass of the tokens strictly above its logit is below ``top_p`` of the kept mass: the
+  smallest set that reaches ``top_p``, with the ties of its last token, and always the most likely.
+  Masses are summed in float64. A row without a cut gets its top-k's k-th logit, or -inf.
 """
 
 from __future__ import annotations
