@@ -9,11 +9,12 @@ One call takes the step's logits ``[N, V]`` (float32) and one :class:`SamplingRo
 Sampling uses the exponential race: ``argmax(probs / e)`` with ``e ~ Exp(1)`` i.i.d. picks token ``i``
 with probability ``probs[i]``. Its noise is one tensor per row, so a seeded row draws its own noise from
 its own generator and gets the same token from the same logits whatever else is in the batch (and, the
-noise being a token's own, a small change of rounding elsewhere in its logits seldom moves it). The argmax and the top-k /
-top-p cut are row operations the runner gives (``kernels/sampling.py``: the rules and the torch
-references; C on CPU, ``kernels/cpu/sampling.c``): the cut is a logit found by selection, not a sort of
-the vocabulary. 32 rows of 49152 at temperature 0.7 and top-p 0.9 took 89 ms with the sort and torch's
-``exponential_``, longer than the decode step that made them (2-core Intel Xeon, AVX2).
+noise being a token's own, a small change of rounding elsewhere in its logits seldom moves it). The
+argmax and the top-k / top-p cut are row operations the runner gives (``kernels/sampling.py``: the
+rules and the torch references; C on CPU, ``kernels/cpu/sampling.c``): the cut is a logit found by
+selection, not a sort of the vocabulary. 32 rows of 49152 at temperature 0.7 and top-p 0.9 took 89 ms
+with the sort and torch's ``exponential_``, longer than the decode step that made them (2-core Intel
+Xeon, AVX2).
 """
 
 from __future__ import annotations
