@@ -168,7 +168,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     out = logits.clone()
     flat = out.view(-1)
 
-    seen, seen_rows = _seen(
+    seen, seen_rows, _ = _seen(
         [(i, [*rows[i].prompt_token_ids, *rows[i].output_token_ids]) for i in penalized], vocab_size, device
     )
     repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[seen_rows]
@@ -176,7 +176,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     flat[seen] = torch.where(values < 0, values * repetition, values / repetition)
 
     output, output_rows, counts = _seen(
-        [(i, rows[i].output_token_ids) for i in penalized], vocab_size, device, with_counts=True
+        [(i, rows[i].output_token_ids) for i in penalized], vocab_size, device
     )
     presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)[output_rows]
     frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[output_rows]
@@ -188,15 +188,11 @@ def _seen(
     token_ids: Sequence[tuple[int, Sequence[int]]],
     vocab_size: int,
     device: torch.device,
-    with_counts: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The distinct flat indices ``row * vocab_size + token`` of ``(row, tokens)`` pairs, each one's row
-    and, ``with_counts``, its number of occurrences (float32)."""
+    and its number of occurrences (float32)."""
     parts = [torch.tensor(ids, dtype=torch.long) + row * vocab_size for row, ids in token_ids]
     flat = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long, device=device)
-    if not with_counts:
-        distinct = torch.unique(flat)
-        return distinct, distinct // vocab_size
     distinct, counts = torch.unique(flat, return_counts=True)
     return distinct, distinct // vocab_size, counts.to(torch.float32)
 
