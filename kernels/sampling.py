@@ -12,6 +12,11 @@ protocol a faster implementation meets (``kernels/cpu/sampling.py``: C on CPU).
   token when the mass of the tokens strictly above its logit is below ``top_p`` of the kept mass: the
   smallest set that reaches ``top_p``, with the ties of its last token, and always the most likely.
   Masses are summed in float64. A row without a cut gets its top-k's k-th logit, or -inf.
+- ``race(weights, keys)``: each row's exponential race, ``argmax(weights / -log(u))``, token ``i``
+  winning with probability ``weights[i] / sum(weights)``; ``u`` is ``race_uniforms``: a hash of the
+  row's key (32 bits, drawn by the sampler each step) and the token's index, so the noise is a
+  token's own, whatever the batch, and costs no generator state a token. A row with a NaN weight
+  takes its first NaN.
 """
 
 from __future__ import annotations
@@ -32,6 +37,25 @@ class SamplingOps(Protocol):
         self, logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     ) -> None:
         """``weights`` (the caller's own) with every token below its row's threshold set to 0."""
+
+    def race(self, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor: ...
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def race_uniforms(keys: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[n, num_tokens]`` float32 uniforms in (0, 1): for row key ``k`` and token ``i``, murmur3's
+    32-bit finaliser of ``k ^ (i * 0x9E3779B9)``, its top 24 bits centred (``sampling.c``'s
+    ``race_uniform``, in int64 ops masked to 32 bits)."""
+    index = torch.arange(num_tokens, device=keys.device, dtype=torch.int64)
+    x = (keys.to(torch.int64).unsqueeze(1) & _MASK32) ^ ((index * 0x9E3779B9) & _MASK32)
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    x = x ^ (x >> 16)
+    return ((x >> 8).to(torch.float32) + 0.5) * 2.0**-24
 
 
 class TorchSamplingOps:
@@ -65,6 +89,11 @@ class TorchSamplingOps:
     ) -> None:
         cut = self.thresholds(logits, weights, top_k, top_p)
         weights.masked_fill_(logits < cut.unsqueeze(1), 0.0)
+
+    def race(self, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``weights`` ``[n, V]`` (non-negative, unnormalised), ``keys`` int64 ``[n]`` -> ``[n]``."""
+        noise = race_uniforms(keys, weights.shape[1]).log_().neg_()
+        return self.argmax(weights / noise)
 
 
 TORCH_SAMPLING = TorchSamplingOps()

@@ -7,14 +7,14 @@ One call takes the step's logits ``[N, V]`` (float32) and one :class:`SamplingRo
                          └─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race ─▶ sampled rows
 
 Sampling uses the exponential race: ``argmax(probs / e)`` with ``e ~ Exp(1)`` i.i.d. picks token ``i``
-with probability ``probs[i]``. Its noise is one tensor per row, so a seeded row draws its own noise from
-its own generator and gets the same token from the same logits whatever else is in the batch (and, the
-noise being a token's own, a small change of rounding elsewhere in its logits seldom moves it). The
-argmax and the top-k / top-p cut are row operations the runner gives (``kernels/sampling.py``: the
-rules and the torch references; C on CPU, ``kernels/cpu/sampling.c``): the cut is a logit found by
-selection, not a sort of the vocabulary. 32 rows of 49152 at temperature 0.7 and top-p 0.9 took 89 ms
-with the sort and torch's ``exponential_``, longer than the decode step that made them (2-core Intel
-Xeon, AVX2).
+with probability ``probs[i]``. A row's noise is a hash of a key it draws each step (from its own
+generator when seeded) and the token's index, so a seeded row gets the same token from the same logits
+whatever else is in the batch (and, the noise being a token's own, a small change of rounding elsewhere
+in its logits seldom moves it). The argmax and the top-k / top-p cut are row operations the runner
+gives (``kernels/sampling.py``: the rules and the torch references; C on CPU,
+``kernels/cpu/sampling.c``): the cut is a logit found by selection, not a sort of the vocabulary. 32
+rows of 49152 at temperature 0.7 and top-p 0.9 took 89 ms with the sort and torch's ``exponential_``,
+longer than the decode step that made them (2-core Intel Xeon, AVX2).
 """
 
 from __future__ import annotations
@@ -225,27 +225,18 @@ def _rows(x: torch.Tensor, index: list[int]) -> torch.Tensor:
 
 
 def _race(weights: torch.Tensor, rows: Sequence[SamplingRow], ops: SamplingOps) -> torch.Tensor:
-    """Each row's token by the exponential race: ``argmax(weights / e)`` with ``e ~ Exp(1)`` a token,
-    drawn as ``-log(u)`` of a uniform ``u`` (token ``i`` wins with probability ``weights[i] / total``).
-    The noise is one number a token of the vocabulary, from the row's generator where seeded, so a small
-    change in some logits (another batch's rounding) moves the winner only where it was nearly tied:
-    an inverse CDF, one uniform a row over the cumulative sum, moved with any change before the token
-    it picked, and a seeded answer served beside other requests parted from the same answer alone
-    within 15 tokens. ``weights`` is divided in place. ``uniform_`` then ``log_`` take ~4.5 ms for 32
-    rows of 49152, torch's ``exponential_`` ~26."""
-    noise = torch.empty_like(weights)
-    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-    if len(unseeded) == len(rows):
-        noise.uniform_()
-    else:
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), noise.shape[1], device=noise.device).uniform_()
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                noise[i].uniform_(generator=row.generator)
-    # u in [0, 1): -log(u) > 0, or +inf for u = 0 (that token's score 0); NaN weights stay NaN and the
-    # argmax takes the row's first NaN, as torch's max
-    return ops.argmax(weights.div_(noise.log_().neg_()))
+    """Each row's token by the exponential race (``ops.race``: token ``i`` wins with probability
+    ``weights[i] / total``), its noise a hash of a key the row draws each step (from its generator
+    where seeded) and the token's index: a token's own, so a small change in some logits (another
+    batch's rounding) moves the winner only where it was nearly tied. An inverse CDF, one uniform a
+    row over the cumulative sum, moved with any change before the token it picked, and a seeded answer
+    served beside other requests parted from the same answer alone within 15 tokens. torch's
+    ``uniform_`` a token took ~4.7 ms for 32 rows of 49152 (``exponential_`` ~26)."""
+    keys = torch.randint(0, 2**32, (len(rows),), dtype=torch.int64)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            keys[i] = int(torch.randint(0, 2**32, (1,), generator=row.generator, device=row.generator.device))
+    return ops.race(weights, keys.to(weights.device))
 
 
 def _logprobs(

@@ -44,6 +44,9 @@ class CpuSamplingOps:
         self._cut.argtypes = [pointer, pointer, size, size, pointer, pointer, flag, flag, pointer, pointer]
         self._cut.restype = None
         self._scratch = torch.empty(0)  # 2 x vocabulary floats a thread, kept between calls
+        self._race = library.race_rows_f32
+        self._race.argtypes = [pointer, size, size, pointer, flag, pointer]
+        self._race.restype = None
 
     def argmax(self, scores: torch.Tensor) -> torch.Tensor:
         if not _takes(scores):
@@ -67,6 +70,19 @@ class CpuSamplingOps:
             TORCH_SAMPLING.truncate(logits, weights, top_k, top_p)
             return
         self._run(logits, weights, top_k, top_p, drop=True)
+
+    def race(self, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        if not _takes(weights):
+            return TORCH_SAMPLING.race(weights, keys)
+        num_rows, num_cols = weights.shape
+        k = keys.to(device="cpu", dtype=torch.int64).contiguous()
+        if k.shape != (num_rows,):
+            raise ValueError(f"keys: expected [{num_rows}], got {tuple(k.shape)}")
+        out = torch.empty(num_rows, dtype=torch.int64)
+        self._race(
+            weights.data_ptr(), num_rows, num_cols, k.data_ptr(), torch.get_num_threads(), out.data_ptr()
+        )
+        return out
 
     @staticmethod
     def _fits(logits: torch.Tensor, weights: torch.Tensor) -> bool:

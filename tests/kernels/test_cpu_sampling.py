@@ -187,3 +187,41 @@ def test_the_library_is_cached(tmp_path: Path) -> None:
     built = sorted(tmp_path.glob("sampling-*.so"))
     load_sampling_kernels(tmp_path)
     assert len(built) == 1 and sorted(tmp_path.glob("sampling-*.so")) == built
+
+
+# ---- the race ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 7), (32, 1000), (32, 49152)])
+def test_the_c_race_equals_the_reference(ops: CpuSamplingOps, threads: int, rows: int, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(rows + vocab)
+    for temperature in (0.3, 1.0, 3.0):
+        logits = torch.randn(rows, vocab, generator=gen) * 3
+        weights = weights_of(logits, temperature)
+        weights[weights < 1e-4] = 0.0  # as a cut leaves them: zeros are never drawn
+        keys = torch.randint(0, 2**32, (rows,), generator=gen)
+        got = ops.race(weights, keys)
+        assert torch.equal(got, TORCH_SAMPLING.race(weights, keys))
+        assert bool((weights.gather(1, got.unsqueeze(1)) > 0).all())
+
+
+def test_the_race_draws_each_token_by_its_weight(ops: CpuSamplingOps) -> None:
+    weights = torch.tensor([[0.25, 0.5, 0.75, 1.0, 0.0]]).expand(20_000, 5).contiguous()
+    keys = torch.randint(0, 2**32, (20_000,), generator=torch.Generator().manual_seed(3))
+    drawn = ops.race(weights, keys)
+    for token, p in enumerate([0.1, 0.2, 0.3, 0.4, 0.0]):
+        freq = float((drawn == token).float().mean())
+        assert abs(freq - p) < 5 * (p * (1 - p) / 20_000) ** 0.5 + 1e-9, (token, freq)
+
+
+def test_the_race_takes_a_nan_rows_first_nan_and_the_rest_to_the_reference(ops: CpuSamplingOps) -> None:
+    weights = torch.rand(4, 50, generator=torch.Generator().manual_seed(4))
+    weights[1, 7] = NAN
+    weights[1, 30] = NAN
+    keys = torch.tensor([1, 2, 3, 4])
+    got = ops.race(weights, keys)
+    assert got[1] == 7
+    assert torch.equal(got, TORCH_SAMPLING.race(weights, keys))
+    assert torch.equal(ops.race(weights[:, ::2], keys), TORCH_SAMPLING.race(weights[:, ::2], keys))
+    with pytest.raises(ValueError, match="keys"):
+        ops.race(weights, keys[:2])
