@@ -46,8 +46,9 @@ _MASK32 = 0xFFFFFFFF
 
 def race_uniforms(keys: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``[n, num_tokens]`` float32 uniforms in (0, 1): for row key ``k`` and token ``i``, murmur3's
-    32-bit finaliser of ``k ^ (i * 0x9E3779B9)``, its top 24 bits centred (``sampling.c``'s
-    ``race_uniform``, in int64 ops masked to 32 bits)."""
+    32-bit finaliser of ``k ^ (i * 0x9E3779B9)``, its top 24 bits with the lowest set, times 2^-24 (an
+    odd multiple of 2^-24, exact in float32, never 1) (``sampling.c``'s ``race_uniform``, in int64 ops
+    masked to 32 bits)."""
     index = torch.arange(num_tokens, device=keys.device, dtype=torch.int64)
     x = (keys.to(torch.int64).unsqueeze(1) & _MASK32) ^ ((index * 0x9E3779B9) & _MASK32)
     x = x ^ (x >> 16)
@@ -55,7 +56,7 @@ def race_uniforms(keys: torch.Tensor, num_tokens: int) -> torch.Tensor:
     x = x ^ (x >> 13)
     x = (x * 0xC2B2AE35) & _MASK32
     x = x ^ (x >> 16)
-    return ((x >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    return ((x >> 8) | 1).to(torch.float32) * 2.0**-24
 
 
 class TorchSamplingOps:

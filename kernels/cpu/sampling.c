@@ -208,12 +208,13 @@ void cut_rows_f32(const float *logits, float *weights, int64_t M, int64_t N, con
 }
 
 /* The race's uniform for token i of a row keyed `key`: murmur3's 32-bit finaliser of key ^ (i times the
- * golden ratio), its top 24 bits centred in (0, 1). Exact in float32; kernels/sampling.py's
- * race_uniforms computes the same numbers. */
+ * golden ratio), its top 24 bits with the lowest set, times 2^-24: an odd multiple of 2^-24 in
+ * [2^-24, 1 - 2^-24], exact in float32 (adding 0.5 to the top 24 bits instead rounded 2^24 - 0.5 up to
+ * 2^24, a u of 1, an infinite score). kernels/sampling.py's race_uniforms computes the same numbers. */
 static inline float race_uniform(uint32_t key, int64_t i) {
     uint32_t x = key ^ ((uint32_t)i * 0x9E3779B9u);
     x ^= x >> 16, x *= 0x85EBCA6Bu, x ^= x >> 13, x *= 0xC2B2AE35u, x ^= x >> 16;
-    return ((float)(x >> 8) + 0.5f) * 0x1p-24f;
+    return (float)((x >> 8) | 1u) * 0x1p-24f;
 }
 
 /* argmax_i w_i / -log(u_i), the exponential race (token i wins with probability w_i / sum w). Since

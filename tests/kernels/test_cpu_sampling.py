@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.cpu.sampling import CpuSamplingOps, load_sampling_kernels
-from kernels.sampling import TORCH_SAMPLING
+from kernels.sampling import TORCH_SAMPLING, race_uniforms
 from tests.kernels.cc import NEEDS_CC
 
 pytestmark = NEEDS_CC
@@ -225,3 +225,30 @@ def test_the_race_takes_a_nan_rows_first_nan_and_the_rest_to_the_reference(ops: 
     assert torch.equal(ops.race(weights[:, ::2], keys), TORCH_SAMPLING.race(weights[:, ::2], keys))
     with pytest.raises(ValueError, match="keys"):
         ops.race(weights, keys[:2])
+
+
+def _key_whose_token_hashes_to(token: int, hashed: int) -> int:
+    """The row key whose token ``token`` hashes to ``hashed`` (murmur3's finaliser undone)."""
+    m = 0xFFFFFFFF
+    x = hashed ^ (hashed >> 16)
+    x = (x * pow(0xC2B2AE35, -1, 2**32)) & m
+    x = x ^ (x >> 13) ^ (x >> 26)
+    x = (x * pow(0x85EBCA6B, -1, 2**32)) & m
+    x = x ^ (x >> 16)
+    return x ^ ((token * 0x9E3779B9) & m)
+
+
+@pytest.mark.parametrize("token", [0, 5, 49])
+def test_the_race_uniforms_stay_inside_0_and_1_at_both_ends(ops: CpuSamplingOps, token: int) -> None:
+    """The largest hash once made u exactly 1 (2^24 - 0.5 rounds to 2^24 in float32): an infinite
+    score, a cut token (0 / 0) drawn by the reference and token 0 by C."""
+    top, bottom = _key_whose_token_hashes_to(token, 0xFFFFFFFF), _key_whose_token_hashes_to(token, 0)
+    u = race_uniforms(torch.tensor([top, bottom]), 50)
+    assert u[0, token] == 1 - 2.0**-24 and u[1, token] == 2.0**-24
+    assert bool(((u > 0) & (u < 1)).all())
+    weights = torch.rand(2, 50, generator=torch.Generator().manual_seed(token)) + 0.1
+    weights[0, token] = 0.0  # cut: never drawn, however large its noise
+    keys = torch.tensor([top, bottom])
+    got = ops.race(weights, keys)
+    assert torch.equal(got, TORCH_SAMPLING.race(weights, keys))
+    assert got[0] != token
