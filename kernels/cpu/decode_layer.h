@@ -71,6 +71,7 @@ typedef __m512 vf;
 #define VSET1(x) _mm512_set1_ps(x)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VADD(a, b) _mm512_add_ps(a, b)
 #define VLOADF(p) _mm512_loadu_ps(p)
 #define VSTOREF(p, v) _mm512_storeu_ps(p, v)
 #define reduce_keys reduce16_avx512
@@ -81,6 +82,7 @@ typedef __m256 vf;
 #define VSET1(x) _mm256_set1_ps(x)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VADD(a, b) _mm256_add_ps(a, b)
 #define VLOADF(p) _mm256_loadu_ps(p)
 #define VSTOREF(p, v) _mm256_storeu_ps(p, v)
 static inline vf reduce_keys(const vf a[VL]) {
@@ -123,10 +125,24 @@ static inline float exp_f32(float x) {
     return p * scale;
 }
 
+/* The sums a row's result depends on are written out in vectors, in one order: VL lanes over i, the
+ * lanes added 0 .. VL-1, then the tail. GCC compiled the loop of `omp simd reduction(+)` in more than
+ * one version within one function (the row loop's first row summed in 16 lanes, later rows in 4), so
+ * a row's RMS norm changed with its place in the batch: a decode row beside others parted from its
+ * logits alone from the third layer of SmolLM2 on (2-core Intel Xeon, the Q4_1 default). */
+static inline float sum_of_products(const float *a, const float *b, int64_t n) {
+    vf acc = VZERO();
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) acc = VADD(acc, VMUL(VLOADF(a + i), VLOADF(b + i)));
+    float lanes[VL], s = 0.0f;
+    VSTOREF(lanes, acc);
+    for (int l = 0; l < VL; l++) s += lanes[l];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
 static inline void rms_norm_row(const float *x, const W *w, float *out, int64_t n, float eps) {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float ss = sum_of_products(x, x, n);
     float inv = 1.0f / sqrtf(ss / (float)n + eps);
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) out[i] = (x[i] * inv) * LOADW(w[i]);
@@ -143,10 +159,14 @@ static inline void rotate_neox(float *x, const W *cos_sin, int64_t d) {
     }
 }
 
-static inline float dot(const float *a, const WKV *b, int64_t n) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * LOADKV(b[i]);
+static inline float dot(const float *a, const WKV *b, int64_t n) { /* as sum_of_products */
+    vf acc = VZERO();
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) acc = VADD(acc, VMUL(VLOADF(a + i), VLOADKV(b + i)));
+    float lanes[VL], s = 0.0f;
+    VSTOREF(lanes, acc);
+    for (int l = 0; l < VL; l++) s += lanes[l];
+    for (; i < n; i++) s += a[i] * LOADKV(b[i]);
     return s;
 }
 

@@ -321,3 +321,79 @@ def test_attention_units_are_a_prompts_consecutive_rows_or_single_rows(kernel: D
     assert starts[: step.num_units + 1].tolist() == [*expected, 37]
     with pytest.raises(ValueError, match="int64"):
         kernel.attention_units(layer, step, torch.empty(3, dtype=torch.int64))
+
+
+def _fused_step(model: LlamaForCausalLM, kernel: DecodeLayerKernel, kernel_dir: Path) -> CpuDecodeStep:
+    """The runner's fused step over a fresh random cache (a float32 build over packed weights)."""
+    cfg = model.config
+    caches = allocate_kv_cache(
+        cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kernel.kv_dtype, "cpu"
+    )
+    gen = torch.Generator().manual_seed(11)
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen).to(cache.dtype))
+    if kernel.dtype == torch.float32 and not kernel.quantized:
+        model = copy.deepcopy(model)
+        assert use_decode_linears(model, probe(), kernel_dir) > 0
+    return CpuDecodeStep(model, caches, kernel)
+
+
+def _rows_out(step: CpuDecodeStep, sequences: list[tuple[int, int, list[int], list[int]]]) -> torch.Tensor:
+    """One step of (tokens cached, new tokens, blocks, token ids) sequences, a token a row."""
+    ids, positions, slots, lens, tables = [], [], [], [], []
+    for done, new, blocks, tokens in sequences:
+        for p in range(done, done + new):
+            ids.append(tokens[p - done])
+            positions.append(p)
+            slots.append(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            lens.append(p + 1)
+            tables.append(blocks)
+    with torch.inference_mode():
+        return step.run(ids, positions, slots, lens, tables).clone()
+
+
+def _assert_a_decode_row_is_the_same_wherever_it_sits(step: CpuDecodeStep, vocab: int) -> None:
+    rng = random.Random(3)
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+
+    def sequence(done: int, new: int) -> tuple[int, int, list[int], list[int]]:
+        blocks = [free.pop() for _ in range(-(-(done + new) // BLOCK_SIZE))]
+        return done, new, blocks, [rng.randrange(3, vocab) for _ in range(new)]
+
+    target = sequence(37, 1)
+    decodes = [sequence(n, 1) for n in (50, 9, 120, 3)]
+    prompts = [sequence(0, 6), sequence(20, 5)]
+    alone = _rows_out(step, [target])[0]
+    for before, after in [(decodes[:1], []), (decodes, prompts), (decodes[2:], decodes[:2] + prompts)]:
+        got = _rows_out(step, [*before, target, *after])[len(before)]
+        assert torch.equal(got, alone), (len(before), float((got - alone).abs().max()))
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "llama-head-dim-12", "llama-group3-dim64"])
+def test_a_decode_rows_result_does_not_depend_on_its_place_in_the_step(
+    kernel: DecodeLayerKernel, name: str, tmp_path: Path, kernel_dir: Path
+) -> None:
+    """Bit for bit, alone or behind other rows: a seeded request's logits, and so its tokens, must not
+    depend on what it is batched with. GCC compiled an `omp simd reduction` over a row (the RMS norm's
+    sum of squares) in two versions with different summation orders, one for the first row of the
+    loop and one for the rest, and the Q4_1 default's logits moved by up to ~0.03 with the batch."""
+    _save_hf(name, tmp_path)
+    model, _ = load_model(tmp_path, kernel.dtype)
+    step = _fused_step(model, kernel, kernel_dir)
+    _assert_a_decode_row_is_the_same_wherever_it_sits(step, model.config.vocab_size)
+
+
+@pytest.mark.parametrize(("kv_dtype", "isa"), list(QUANT_KERNELS), ids=[_key_id(k) for k in QUANT_KERNELS])
+def test_a_quantized_decode_rows_result_does_not_depend_on_its_place_in_the_step(
+    kv_dtype: torch.dtype, isa: str, tmp_path: Path, kernel_dir: Path
+) -> None:
+    caps = probe()
+    if quant_isa(caps) is None or (isa == "avx512_vnni" and quant_isa(caps) != isa):
+        pytest.skip(f"this CPU (as probed) cannot run the {isa} build ({caps.describe()})")
+    _save_hf("llama-group3-dim64", tmp_path)
+    model, _ = load_model(tmp_path, torch.float32)
+    quantize_linears(model, "q4_1")
+    assert use_quant_kernels(model, caps, kernel_dir) > 0
+    step = _fused_step(model, load_quant_decode_kernel(isa, kernel_dir, kv_dtype), kernel_dir)
+    _assert_a_decode_row_is_the_same_wherever_it_sits(step, model.config.vocab_size)

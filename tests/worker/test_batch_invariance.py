@@ -1,0 +1,75 @@
+"""A request's logits do not depend on what it is batched with (the real model, in-process).
+
+The embedded SmolLM2 as served (its Q4_1 GGUF) and in float32, through the fused C layer on this
+CPU's path (the ``TIERSERVE_CPU_ISA=avx2`` pass of ``make test`` runs the AVX2 builds): one seeded,
+sampled request alone, then beside six others arriving one a step (its decodes beside their prompts'
+prefills). Its tokens and its top logprobs must be the same bits each time: a seed reproduces an
+answer whatever else the server is doing. The decode rows' RMS norm once summed in a
+different order for the first row of a step than for the rest (an ``omp simd`` reduction that GCC
+compiled twice), and the Q4_1 default's logits moved by up to ~0.03 with the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from wire.sampling import SamplingParams
+from worker.config import EngineConfig
+from worker.engine import Engine
+from worker.models.store import pull_default_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.isa]
+
+TARGET = "Write a short poem about the sea."
+OTHERS = [
+    "Describe the water cycle in detail.",
+    "Explain how a bicycle gear works, step by step. " * 3,
+    "Write about the history of the printing press.",
+    "What should I pack for a week of hiking? " * 2,
+    "Invent a recipe with apples and cheese.",
+    "Name three rivers.",
+]
+SAMPLED = SamplingParams(
+    max_tokens=16, temperature=1.0, top_p=0.95, presence_penalty=0.3, seed=11, ignore_eos=True, logprobs=3
+)
+
+
+Answer = list[tuple[int, list[tuple[int, float]]]]  # each token, with its top logprobs
+
+
+def answer(engine: Engine, crowd: list[str], *, one_a_step: bool) -> Answer:
+    """The target's tokens, each with its top logprobs, beside ``crowd`` (unseeded, sampled)."""
+    target = engine.add_request(engine.apply_chat_template([{"role": "user", "content": TARGET}]), SAMPLED)
+    others = SamplingParams(max_tokens=16, temperature=0.8, top_k=40, ignore_eos=True)
+    got: Answer = []
+
+    def step() -> None:
+        for output in engine.step():
+            if output.request_id == target:
+                got.extend((t, lp.top) for t, lp in zip(output.new_token_ids, output.logprobs, strict=True))
+
+    for text in crowd:
+        if one_a_step:
+            step()
+        engine.add_request(engine.apply_chat_template([{"role": "user", "content": text}]), others)
+    while engine.has_unfinished():
+        step()
+    engine.scheduler.check_integrity()
+    return got
+
+
+@pytest.mark.parametrize("weights", ["q4_1", "float32"])
+def test_a_seeded_answer_is_the_same_bits_alone_and_beside_others(weights: str) -> None:
+    """Its prompt prefilled alone each time (the others arrive after it), so every row that differs
+    between the runs is a decode row of its own beside other requests' rows."""
+    config = EngineConfig(enable_prefix_caching=False)
+    if weights == "float32":
+        config = dataclasses.replace(config, model=str(pull_default_model()), dtype="float32")
+    engine = Engine.from_config(config)
+    if engine.runner.decode_step is None:
+        pytest.skip("no fused C layer on this machine (the torch path is not batch-invariant)")
+    alone = answer(engine, [], one_a_step=False)
+    assert len(alone) == SAMPLED.max_tokens
+    assert answer(engine, OTHERS, one_a_step=True) == alone
