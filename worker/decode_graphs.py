@@ -114,8 +114,10 @@ class DecodeGraphs:
         slot_mapping: list[int],
         seq_lens: list[int],
         block_rows: list[list[int]],
+        in_prompt: list[bool],
     ) -> torch.Tensor:
-        """Hidden states [B, hidden] of a decode-only step (one token per sequence)."""
+        """Hidden states [B, hidden] of a decode-only step (one token per sequence; a one-token
+        prompt chunk too: the graphs' attention does not tell prompt rows from output rows)."""
         num_seqs = len(input_ids)
         batch = self.bucket(num_seqs)
         pad = batch - num_seqs

@@ -77,7 +77,8 @@ class DecodeStep(Protocol):
 
     ``takes_prefill``: whether the rows may be prefill tokens too (each with its own context length:
     position + 1, and its sequence's block table; the K/V of every row are written before any row
-    attends), or only one decode token per sequence."""
+    attends), or only one decode token per sequence. ``in_prompt``: each row's token is its prompt's
+    (else an output token: a decode, or one recomputed after a preemption)."""
 
     takes_prefill: bool
 
@@ -90,6 +91,7 @@ class DecodeStep(Protocol):
         slot_mapping: list[int],
         seq_lens: list[int],
         block_rows: list[list[int]],
+        in_prompt: list[bool],
     ) -> torch.Tensor: ...
 
 
@@ -134,10 +136,12 @@ class ModelRunner:
         # one row a token: a decode's context is its sequence's; a prefill token's ends at itself
         row_lens = step.seq_lens if decode_only else [p + 1 for p in step.positions]
         if fast is not None and (decode_only or fast.takes_prefill) and fast.can_run(row_lens):
-            block_rows = [
-                r.block_ids for r in out.scheduled for _ in range(out.num_scheduled_tokens[r.request_id])
-            ]
-            hidden = fast.run(step.input_ids, step.positions, step.slot_mapping, row_lens, block_rows)
+            rows = [r for r in out.scheduled for _ in range(out.num_scheduled_tokens[r.request_id])]
+            block_rows = [r.block_ids for r in rows]
+            in_prompt = [p < r.num_prompt_tokens for r, p in zip(rows, step.positions, strict=True)]
+            hidden = fast.run(
+                step.input_ids, step.positions, step.slot_mapping, row_lens, block_rows, in_prompt
+            )
             return sampled, self.logits(hidden, step)
         return sampled, self.forward(step)
 

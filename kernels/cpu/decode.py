@@ -95,6 +95,7 @@ class StepArgs(ctypes.Structure):
         ("num_threads", ctypes.c_int64),
         ("unit_starts", ctypes.c_void_p),  # DecodeLayerKernel.attention_units fills both
         ("num_units", ctypes.c_int64),
+        ("in_prompt", ctypes.c_void_p),  # uint8 [num_rows]: 1 a prompt's token, 0 an output token
     ]
 
 

@@ -56,6 +56,7 @@ typedef struct {
     int64_t num_threads;
     const int64_t *unit_starts;  /* [num_units + 1]: attention's units, DECODE(attention_units) */
     int64_t num_units;
+    const uint8_t *in_prompt;    /* [M] 1: a prompt's token (attends in a tile), 0: an output token */
 } Step;
 
 #define KEY_CHUNK 32
@@ -333,14 +334,13 @@ static void attend_group(const float *q0, const Layer *L, const Step *S, int64_t
 #undef GROUP_BODY
 }
 
-/* Prefill rows in tiles: up to VL consecutive rows of one sequence (a prompt's chunk) attend together,
+/* A prompt's rows in tiles: up to VL consecutive rows of one sequence (a chunk) attend together,
  * a row a vector lane, the G query heads that share kv head g beside each other. A chunk of TILE_KEYS
  * keys is gathered once for the tile (as float), its scores come from broadcast key values times the
  * lanes' queries (whole vectors, no per-key horizontal sum), the online softmax runs lane-wise (each
  * row its own max, sum and causal or window mask), and the values go in the same way. Row by row
  * (attend_group) each row read its keys itself and spent most of its time on per-key reductions and
  * scalar softmax steps: a 1,000-token prompt's attention ran at ~74 GFLOPS on the 2-core Xeon. */
-#define TILE_MIN_ROWS 4      /* a shorter run goes row by row */
 #define TILE_KEYS 16         /* keys a chunk */
 #define TILE_MAX_WIDTH 512   /* G * head_dim the tile takes: its buffers live on the stack */
 #define TILE_MASKED -1.0e30f /* a masked score (finite: no inf - inf in the rescale) */
@@ -387,7 +387,10 @@ static inline __attribute__((always_inline)) void attend_tile_body(const float *
     for (int64_t k = 0; k < group * VL; k++) mx[k] = TILE_MASKED, sum[k] = 0.0f;
     for (int64_t k = TILE_KEYS * d; k < (TILE_KEYS + TILE_KB) * d; k++) kc[k] = 0.0f;
     const int64_t t_end = lens[n - 1];
-    for (int64_t c0 = starts[0]; c0 < t_end; c0 += TILE_KEYS) {
+    /* chunks of keys at multiples of TILE_KEYS, whichever rows the tile holds: a lane's sums then run
+     * over the same keys in the same order in any tile (keys outside its window or past its token are
+     * masked: p = 0, its max unmoved, a rescale by exp(0) = 1), so its result is the same bits */
+    for (int64_t c0 = starts[0] / TILE_KEYS * TILE_KEYS; c0 < t_end; c0 += TILE_KEYS) {
         const int64_t nk = t_end - c0 < TILE_KEYS ? t_end - c0 : TILE_KEYS;
         for (int64_t j = 0; j < nk; j++) { /* the chunk's keys and values, as float */
             const int64_t t = c0 + j, off = (table[t / bs] * bs + t % bs) * d;
@@ -481,18 +484,28 @@ static void attend_tile(const float *q0, int64_t q_stride, const Layer *L, const
 #undef TILE_BODY
 }
 
+/* Whether this layer's prompt rows attend in tiles (attend_tile's shapes), else all row by row. */
+static inline int tiles_fit(const Layer *L) {
+    const int64_t group = L->num_heads / L->num_kv_heads;
+    return L->head_dim % VL == 0 && group <= MAX_GROUP && group * L->head_dim <= TILE_MAX_WIDTH;
+}
+
 /* Attention's units for a step's rows, the same in every layer (so computed once a step, before the
- * first): a tile of TILE_MIN_ROWS to VL consecutive rows of one sequence (a prompt's chunk), else a
- * single row (a decode). starts[u] is unit u's first row and starts[units] = num_rows: starts holds
+ * first): a tile of 1 to VL consecutive prompt rows of one sequence, else a single output row (a
+ * decode, or an output token recomputed after a preemption). A row's attention is then computed the
+ * same way whatever else is in the step: a tile's lane does not depend on the tile's other rows
+ * (attend_tile), so how a prompt was cut into chunks and slices moves no bit, and an output row is
+ * always attend_group's. starts[u] is unit u's first row and starts[units] = num_rows: starts holds
  * num_rows + 1 values. Returns the number of units. */
 int64_t DECODE(attention_units)(const Layer *L, const Step *S, int64_t *starts) {
-    const int64_t M = S->num_rows, group = L->num_heads / L->num_kv_heads;
-    const int tiles = L->head_dim % VL == 0 && group <= MAX_GROUP && group * L->head_dim <= TILE_MAX_WIDTH;
+    const int64_t M = S->num_rows;
+    const int tiles = tiles_fit(L) && S->in_prompt;
     int64_t units = 0;
     for (int64_t m = 0; m < M;) {
         int64_t run = 1;
-        while (tiles && run < VL && m + run < M && same_sequence(S, m + run - 1, L->block_size)) run++;
-        if (run < TILE_MIN_ROWS) run = 1;
+        if (tiles && S->in_prompt[m])
+            while (run < VL && m + run < M && S->in_prompt[m + run] && same_sequence(S, m + run - 1, L->block_size))
+                run++;
         starts[units++] = m;
         m += run;
     }
@@ -536,14 +549,15 @@ void DECODE(layer)(const Layer *L, const Step *S) {
         }
     }
     if (D % VL == 0 && group <= MAX_GROUP) {
-        /* a task a (unit, kv head): a unit is a tile of a sequence's consecutive rows or a single row */
+        /* a task a (unit, kv head): a unit is a tile of a prompt's consecutive rows or an output row */
         const int64_t units = S->num_units, *starts = S->unit_starts;
+        const int tiles = tiles_fit(L) && S->in_prompt;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
         for (int64_t task = 0; task < units * hkv; task++) {
             int64_t u = task / hkv, g = task % hkv, m = starts[u], rows = starts[u + 1] - m;
             const float *q = qkv + m * qkv_out + g * group * D;
             float *out = attn + m * attn_width + g * group * D;
-            if (rows == 1)
+            if (rows == 1 && !(tiles && S->in_prompt[m]))
                 attend_group(q, L, S, m, g, group, out);
             else
                 attend_tile(q, qkv_out, L, S, m, rows, g, group, out, attn_width);

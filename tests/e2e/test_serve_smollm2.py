@@ -121,3 +121,37 @@ def test_32_concurrent_streams_then_disconnects_free_every_block(model_url: str)
     assert all(finish in ("stop", "length") and chunks > 1 for chunks, finish in done), done
     assert all(finish is None for _, finish in left), left
     assert wait_until(lambda: workers_idle(model_url), 1.0 + 0.5)  # heartbeat interval 0.5 s
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@needs_model
+def test_a_seeded_sampled_answer_is_the_same_alone_and_in_a_crowd(model_url: str) -> None:
+    """Temperature, top-p, top-k and a presence penalty on the real model (the C cut on CPU): a seed
+    gives the same text when the request runs alone and while six unseeded ones share its steps (its
+    logits the same bits: docs/kernels.md), and another seed gives another text."""
+    sampled = {"temperature": 1.0, "top_p": 0.95, "presence_penalty": 0.3, "max_tokens": 24}
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Write a short poem about the sea."}
+    ]
+
+    async def ask(client: openai.AsyncOpenAI, seed: int | None, top_k: int | None = None) -> str | None:
+        completion = await client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=messages, seed=seed, extra_body={"top_k": top_k}, **sampled
+        )
+        return completion.choices[0].message.content
+
+    async def main() -> tuple[str | None, str | None, str | None, str | None]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{model_url}/v1", api_key="unused", timeout=300, max_retries=0
+        ) as client:
+            alone = await ask(client, 11)
+            crowded, *_ = await asyncio.gather(ask(client, 11), *(ask(client, None, 40) for _ in range(6)))
+            other = await ask(client, 12)
+            top_k = await ask(client, 11, 40)
+        return alone, crowded, other, top_k
+
+    alone, crowded, other, top_k = asyncio.run(main())
+    assert alone and crowded == alone
+    assert other and other != alone
+    assert top_k  # a top-k row through the same cut

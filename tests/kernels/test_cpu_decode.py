@@ -266,7 +266,8 @@ def run_step(
         if rows_a_call is not None:
             step.max_rows = rows_a_call
             assert len(positions) > rows_a_call
-        got = step.run(input_ids, positions, slots, row_lens, token_rows)
+        in_prompt = [new > 1 for _, new in chunks for _ in range(new)]  # a one-token chunk: a decode
+        got = step.run(input_ids, positions, slots, row_lens, token_rows, in_prompt)
     return got, expected, fused_caches, caches
 
 
@@ -290,35 +291,39 @@ def test_a_float32_step_takes_as_many_rows_a_call_as_the_linears_take_a_pass(
         assert kernel.row_block is None and step.max_rows == 32
 
 
-def test_attention_units_are_a_prompts_consecutive_rows_or_single_rows(kernel: DecodeLayerKernel) -> None:
-    """A step's attention units, computed once a step: a run of 4 up to a vector's lanes (16 floats
-    on AVX-512, 8 on AVX2) of one sequence's consecutive rows is a tile; a decode and a run shorter
-    than 4 go a row at a time; rows whose positions follow on from another sequence's, over other
-    blocks, start a unit of their own."""
+def test_attention_units_are_a_prompts_rows_or_single_output_rows(kernel: DecodeLayerKernel) -> None:
+    """A step's attention units, computed once a step: up to a vector's lanes (16 floats on AVX-512, 8
+    on AVX2) of one prompt's consecutive rows make a tile, however few (a chunk's tail of 1 to 3 rows
+    too); an output row (a decode, or output tokens recomputed after a preemption, consecutive or not)
+    goes alone; prompt rows whose positions follow on from another sequence's, over other blocks,
+    start a unit of their own; so do a prompt's rows after its output rows."""
     lanes = 16 if kernel.isa.startswith("avx512") else 8
-    # (sequence's first block, first position, rows), consecutive tokens each; the two 6-row runs'
-    # positions follow on (6..11, then 12..17) over other blocks: two sequences
-    runs = [(0, 7, 1), (10, 0, 20), (20, 40, 3), (30, 5, 6), (40, 11, 6), (50, 99, 1)]
-    seq_lens, tables = [], []
-    for first_block, start, rows in runs:
+    # (sequence's first block, first position, rows, in the prompt), consecutive tokens each; the two
+    # 6-row runs' positions follow on (6..11, then 12..17) over other blocks: two sequences
+    runs = [(0, 7, 1, False), (10, 0, 20, True), (20, 40, 3, True), (30, 5, 6, True), (40, 11, 6, True)]
+    runs += [(50, 99, 1, False), (60, 30, 3, False), (70, 8, 2, True)]
+    seq_lens, tables, in_prompt = [], [], []
+    for first_block, start, rows, prompt in runs:
         for r in range(rows):
             seq_lens.append(start + r + 1)
             tables.append([first_block + b for b in range(8)])
+            in_prompt.append(prompt)
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     table = torch.tensor(tables, dtype=torch.int64)
+    flags = torch.tensor(in_prompt, dtype=torch.uint8)
     layer = LayerArgs(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
     step = StepArgs(num_rows=len(seq_lens), table_width=8)
-    step.block_tables, step.seq_lens = table.data_ptr(), lens.data_ptr()
+    step.block_tables, step.seq_lens, step.in_prompt = table.data_ptr(), lens.data_ptr(), flags.data_ptr()
     starts = torch.empty(len(seq_lens) + 1, dtype=torch.int64)
     kernel.attention_units(layer, step, starts)
-    expected = [0]  # the decode
-    for m in range(1, 21, lanes):  # the 20-row prompt chunk in tiles of at most `lanes` rows
-        expected.append(m)
-    if 21 - expected[-1] < 4:  # a tail shorter than a tile goes a row at a time
-        expected += list(range(expected[-1] + 1, 21))
-    expected += [21, 22, 23, 24, 30, 36]  # 3 rows: singles; two 6-row tiles; the last decode
+    expected = [0, *range(1, 21, lanes)]  # the decode; the 20-row prompt chunk in tiles of `lanes` rows
+    expected += [21, 24, 30, 36]  # 3 rows: a tile; two 6-row tiles; the decode
+    expected += [37, 38, 39, 40]  # three recomputed output rows alone; a 2-row prompt tile
     assert step.num_units == len(expected)
-    assert starts[: step.num_units + 1].tolist() == [*expected, 37]
+    assert starts[: step.num_units + 1].tolist() == [*expected, 42]
+    step.in_prompt = None  # no flags: every row an output row
+    kernel.attention_units(layer, step, starts)
+    assert starts[: step.num_units + 1].tolist() == list(range(43))
     with pytest.raises(ValueError, match="int64"):
         kernel.attention_units(layer, step, torch.empty(3, dtype=torch.int64))
 
@@ -338,18 +343,27 @@ def _fused_step(model: LlamaForCausalLM, kernel: DecodeLayerKernel, kernel_dir: 
     return CpuDecodeStep(model, caches, kernel)
 
 
-def _rows_out(step: CpuDecodeStep, sequences: list[tuple[int, int, list[int], list[int]]]) -> torch.Tensor:
-    """One step of (tokens cached, new tokens, blocks, token ids) sequences, a token a row."""
-    ids, positions, slots, lens, tables = [], [], [], [], []
-    for done, new, blocks, tokens in sequences:
+def _rows_out(
+    step: CpuDecodeStep,
+    sequences: list[tuple[int, int, list[int], list[int]]],
+    prompt_lens: list[int] | None = None,
+) -> torch.Tensor:
+    """One step of (tokens cached, new tokens, blocks, token ids) sequences, a token a row; a row is
+    a prompt's below its sequence's ``prompt_lens`` (default: a sequence of one new token a decode,
+    the others prompts)."""
+    if prompt_lens is None:
+        prompt_lens = [done + new if new > 1 else done for done, new, _, _ in sequences]
+    ids, positions, slots, lens, tables, in_prompt = [], [], [], [], [], []
+    for (done, new, blocks, tokens), prompt_len in zip(sequences, prompt_lens, strict=True):
         for p in range(done, done + new):
             ids.append(tokens[p - done])
             positions.append(p)
             slots.append(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
             lens.append(p + 1)
             tables.append(blocks)
+            in_prompt.append(p < prompt_len)
     with torch.inference_mode():
-        return step.run(ids, positions, slots, lens, tables).clone()
+        return step.run(ids, positions, slots, lens, tables, in_prompt).clone()
 
 
 def _assert_a_decode_row_is_the_same_wherever_it_sits(step: CpuDecodeStep, vocab: int) -> None:
@@ -397,3 +411,46 @@ def test_a_quantized_decode_rows_result_does_not_depend_on_its_place_in_the_step
     assert use_quant_kernels(model, caps, kernel_dir) > 0
     step = _fused_step(model, load_quant_decode_kernel(isa, kernel_dir, kv_dtype), kernel_dir)
     _assert_a_decode_row_is_the_same_wherever_it_sits(step, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "llama-group3-dim64", "mistral-sliding-window"])
+def test_a_prompts_rows_are_the_same_bits_however_the_prompt_is_cut(
+    kernel: DecodeLayerKernel, name: str, tmp_path: Path, kernel_dir: Path
+) -> None:
+    """A 45-token prompt prefilled whole, or in chunks cut anywhere (tails of 1 to 3 rows, beside
+    decodes), or in slices of 6 rows: each prompt row's output the same bits. The chunks, the token
+    budget, a prefix-cache hit and the slicing all move where a prompt is cut; its rows attend in
+    tiles whatever their number, a tile's lane independent of its other rows (key chunks at fixed
+    positions), so the cut moves nothing (the sliding window too)."""
+    skip_wide_bf16(kernel, name)
+    _save_hf(name, tmp_path)
+    model, _ = load_model(tmp_path, kernel.dtype)
+    rng = random.Random(5)
+    tokens = [rng.randrange(3, model.config.vocab_size) for _ in range(45)]
+    blocks = list(range(40, 40 + -(-45 // BLOCK_SIZE)))
+    vocab = model.config.vocab_size
+    decodes = [(n, 1, [100 + n, 120 + n, 140 + n], [rng.randrange(3, vocab)]) for n in (3, 11)]
+
+    def prefill(cut: list[int], beside: bool = False, rows_a_call: int | None = None) -> torch.Tensor:
+        step = _fused_step(model, kernel, kernel_dir)  # the same random cache each time
+        if rows_a_call is not None:
+            step.max_rows = rows_a_call
+        outs, done = [], 0
+        for new in cut:
+            chunk = (done, new, blocks, tokens[done : done + new])
+            rows = [*decodes, chunk] if beside else [chunk]
+            prompt_lens = [done for done, *_ in rows[:-1]] + [45]  # the decodes' rows: output tokens
+            outs.append(_rows_out(step, rows, prompt_lens)[len(rows) - 1 :])
+            done += new
+        return torch.cat(outs)
+
+    whole = prefill([45])
+    for cut, beside, rows_a_call in [
+        ([5, 40], False, None),
+        ([1, 2, 42], True, None),
+        ([16, 29], True, None),
+        ([3, 17, 25], False, None),
+        ([45], True, 6),
+    ]:
+        got = prefill(cut, beside, rows_a_call)
+        assert torch.equal(got, whole), (cut, beside, rows_a_call, float((got - whole).abs().max()))

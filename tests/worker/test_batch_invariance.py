@@ -2,11 +2,12 @@
 
 The embedded SmolLM2 as served (its Q4_1 GGUF) and in float32, through the fused C layer on this
 CPU's path (the ``TIERSERVE_CPU_ISA=avx2`` pass of ``make test`` runs the AVX2 builds): one seeded,
-sampled request alone, then beside six others arriving one a step (its decodes beside their prompts'
-prefills). Its tokens and its top logprobs must be the same bits each time: a seed reproduces an
-answer whatever else the server is doing. The decode rows' RMS norm once summed in a
-different order for the first row of a step than for the rest (an ``omp simd`` reduction that GCC
-compiled twice), and the Q4_1 default's logits moved by up to ~0.03 with the batch.
+sampled request alone, then in crowds that cut its steps differently. Its tokens and its top
+logprobs must be the same bits each time: a seed reproduces an answer whatever else the server is
+doing. The decode rows' RMS norm once summed in a different order for the first row of a step than
+for the rest (an ``omp simd`` reduction that GCC compiled twice), and the Q4_1 default's logits
+moved by up to ~0.03 with the batch; a prompt's rows attended in tiles or row by row by how its step
+was cut.
 """
 
 from __future__ import annotations
@@ -61,15 +62,23 @@ def answer(engine: Engine, crowd: list[str], *, one_a_step: bool) -> Answer:
 
 
 @pytest.mark.parametrize("weights", ["q4_1", "float32"])
-def test_a_seeded_answer_is_the_same_bits_alone_and_beside_others(weights: str) -> None:
-    """Its prompt prefilled alone each time (the others arrive after it), so every row that differs
-    between the runs is a decode row of its own beside other requests' rows."""
-    config = EngineConfig(enable_prefix_caching=False)
+def test_a_seeded_answer_is_the_same_bits_alone_and_in_a_crowd(weights: str) -> None:
+    """Beside six others arriving one a step (its decodes beside their prompts' prefills), all at once
+    (its prompt in one step with theirs, in slices where the build slices), its prompt's cached blocks
+    reused (only the prompt's tail computed), and in an engine whose token budget cuts its prompt."""
+    config = EngineConfig()
     if weights == "float32":
         config = dataclasses.replace(config, model=str(pull_default_model()), dtype="float32")
-    engine = Engine.from_config(config)
+    engine = Engine.from_config(dataclasses.replace(config, enable_prefix_caching=False))
     if engine.runner.decode_step is None:
         pytest.skip("no fused C layer on this machine (the torch path is not batch-invariant)")
     alone = answer(engine, [], one_a_step=False)
     assert len(alone) == SAMPLED.max_tokens
     assert answer(engine, OTHERS, one_a_step=True) == alone
+    assert answer(engine, OTHERS, one_a_step=False) == alone
+    cached = Engine.from_config(config)
+    assert answer(cached, [], one_a_step=False) == alone
+    assert answer(cached, OTHERS, one_a_step=False) == alone
+    assert cached.kv_cache.num_prefix_hits > 0
+    budget = Engine.from_config(dataclasses.replace(config, max_num_batched_tokens=24))
+    assert answer(budget, OTHERS, one_a_step=True) == alone

@@ -167,11 +167,13 @@ class CpuDecodeStep:
         slot_mapping: list[int],
         seq_lens: list[int],
         block_rows: list[list[int]],
+        in_prompt: list[bool],
     ) -> torch.Tensor:
         """Rows in slices of at most ``max_rows``, each through every layer before the next: a
         request's tokens come in position order, so a later slice attends to the K/V an earlier one
         wrote, as a later prefill chunk does (the linears stay in the row counts they are fast at,
-        and the scratch in cache)."""
+        and the scratch in cache). A prompt's rows attend in tiles, output rows one at a time
+        (``attention_units``): each row's result the same bits however the step was cut."""
         model = self.model
         num_rows = len(input_ids)
         # float32 through the layers whatever the model's dtype (a no-op copy-free for float32)
@@ -179,6 +181,9 @@ class CpuDecodeStep:
         residual = torch.empty_like(hidden)
         cos_sin = model.cos_sin_cache[torch.tensor(positions, dtype=torch.int64)]
         header = torch.tensor([slot_mapping, seq_lens], dtype=torch.int64)
+        prompt_rows = torch.tensor(in_prompt, dtype=torch.uint8)
+        if prompt_rows.shape != (num_rows,):
+            raise ValueError(f"in_prompt: expected {num_rows} flags, got {prompt_rows.shape[0]}")
         width = max(len(row) for row in block_rows)
         tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int64)
         slices = -(-num_rows // self.max_rows)
@@ -204,6 +209,7 @@ class CpuDecodeStep:
                 sliding_window=self.sliding_window,
                 work=self._work.data_ptr(),
                 num_threads=torch.get_num_threads(),
+                in_prompt=prompt_rows.data_ptr() + start,
             )
             self.kernel.attention_units(self.layers[0], step, self._unit_starts)
             step_ref = ctypes.byref(step)
