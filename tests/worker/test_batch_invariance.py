@@ -32,6 +32,9 @@ OTHERS = [
     "Invent a recipe with apples and cheese.",
     "Name three rivers.",
 ]
+# KV blocks of 16 tokens: all seven prompts fit, their answers not (20 blocks: the target waits
+# instead of running; 24 to 28 preempt it)
+NUM_KV = 26
 SAMPLED = SamplingParams(
     max_tokens=16, temperature=1.0, top_p=0.95, presence_penalty=0.3, seed=11, ignore_eos=True, logprobs=3
 )
@@ -40,24 +43,33 @@ SAMPLED = SamplingParams(
 Answer = list[tuple[int, list[tuple[int, float]]]]  # each token, with its top logprobs
 
 
-def answer(engine: Engine, crowd: list[str], *, one_a_step: bool) -> Answer:
-    """The target's tokens, each with its top logprobs, beside ``crowd`` (unseeded, sampled)."""
-    target = engine.add_request(engine.apply_chat_template([{"role": "user", "content": TARGET}]), SAMPLED)
+def answer(engine: Engine, crowd: list[str], *, one_a_step: bool, preempted: bool = False) -> Answer:
+    """The target's tokens, each with its top logprobs, beside ``crowd`` (unseeded, sampled), which
+    arrives after it: one a step or all at once. ``preempted``: the crowd arrives first instead, so
+    that the target is the newest (the first the default policy preempts), and it must be."""
     others = SamplingParams(max_tokens=16, temperature=0.8, top_k=40, ignore_eos=True)
     got: Answer = []
+
+    def add(text: str, params: SamplingParams) -> str:
+        return engine.add_request(engine.apply_chat_template([{"role": "user", "content": text}]), params)
 
     def step() -> None:
         for output in engine.step():
             if output.request_id == target:
                 got.extend((t, lp.top) for t, lp in zip(output.new_token_ids, output.logprobs, strict=True))
 
-    for text in crowd:
+    for text in crowd if preempted else []:
+        add(text, others)
+    target = add(TARGET, SAMPLED)
+    request = engine.scheduler.requests[target]
+    for text in [] if preempted else crowd:
         if one_a_step:
             step()
-        engine.add_request(engine.apply_chat_template([{"role": "user", "content": text}]), others)
+        add(text, others)
     while engine.has_unfinished():
         step()
     engine.scheduler.check_integrity()
+    assert (request.num_preemptions > 0) == preempted
     return got
 
 
@@ -65,7 +77,8 @@ def answer(engine: Engine, crowd: list[str], *, one_a_step: bool) -> Answer:
 def test_a_seeded_answer_is_the_same_bits_alone_and_in_a_crowd(weights: str) -> None:
     """Beside six others arriving one a step (its decodes beside their prompts' prefills), all at once
     (its prompt in one step with theirs, in slices where the build slices), its prompt's cached blocks
-    reused (only the prompt's tail computed), and in an engine whose token budget cuts its prompt."""
+    reused (only the prompt's tail computed), in an engine whose token budget cuts its prompt, and
+    preempted by a cache too small for the crowd (its output tokens recomputed)."""
     config = EngineConfig()
     if weights == "float32":
         config = dataclasses.replace(config, model=str(pull_default_model()), dtype="float32")
@@ -82,3 +95,5 @@ def test_a_seeded_answer_is_the_same_bits_alone_and_in_a_crowd(weights: str) -> 
     assert cached.kv_cache.num_prefix_hits > 0
     budget = Engine.from_config(dataclasses.replace(config, max_num_batched_tokens=24))
     assert answer(budget, OTHERS, one_a_step=True) == alone
+    small = Engine.from_config(dataclasses.replace(config, enable_prefix_caching=False, num_kv_blocks=NUM_KV))
+    assert answer(small, OTHERS, one_a_step=False, preempted=True) == alone  # recomputed, the same
