@@ -84,7 +84,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def can_run(self, seq_lens: list[int]) -> bool:
+    def can_run(self, seq_lens: list[int], in_prompt: list[bool]) -> bool:  # decodes only: no prompt rows
         return len(seq_lens) <= self.max_batch and max(seq_lens) <= self.max_model_len
 
     def bucket(self, num_seqs: int) -> int:

@@ -82,7 +82,7 @@ class DecodeStep(Protocol):
 
     takes_prefill: bool
 
-    def can_run(self, seq_lens: list[int]) -> bool: ...
+    def can_run(self, seq_lens: list[int], in_prompt: list[bool]) -> bool: ...
 
     def run(
         self,
@@ -135,14 +135,15 @@ class ModelRunner:
         decode_only = step.num_decodes == len(out.scheduled)
         # one row a token: a decode's context is its sequence's; a prefill token's ends at itself
         row_lens = step.seq_lens if decode_only else [p + 1 for p in step.positions]
-        if fast is not None and (decode_only or fast.takes_prefill) and fast.can_run(row_lens):
+        if fast is not None and (decode_only or fast.takes_prefill):
             rows = [r for r in out.scheduled for _ in range(out.num_scheduled_tokens[r.request_id])]
-            block_rows = [r.block_ids for r in rows]
             in_prompt = [p < r.num_prompt_tokens for r, p in zip(rows, step.positions, strict=True)]
-            hidden = fast.run(
-                step.input_ids, step.positions, step.slot_mapping, row_lens, block_rows, in_prompt
-            )
-            return sampled, self.logits(hidden, step)
+            if fast.can_run(row_lens, in_prompt):
+                block_rows = [r.block_ids for r in rows]
+                hidden = fast.run(
+                    step.input_ids, step.positions, step.slot_mapping, row_lens, block_rows, in_prompt
+                )
+                return sampled, self.logits(hidden, step)
         return sampled, self.forward(step)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
