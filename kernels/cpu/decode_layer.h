@@ -127,23 +127,29 @@ static inline float exp_f32(float x) {
 }
 
 /* The sums a row's result depends on are written out in vectors, in one order: VL lanes over i, the
- * lanes added 0 .. VL-1, then the tail. GCC compiled the loop of `omp simd reduction(+)` in more than
- * one version within one function (the row loop's first row summed in 16 lanes, later rows in 4), so
- * a row's RMS norm changed with its place in the batch: a decode row beside others parted from its
- * logits alone from the third layer of SmolLM2 on (2-core Intel Xeon, the Q4_1 default). */
-static inline float sum_of_products(const float *a, const float *b, int64_t n) {
-    vf acc = VZERO();
-    int64_t i = 0;
-    for (; i + VL <= n; i += VL) acc = VADD(acc, VMUL(VLOADF(a + i), VLOADF(b + i)));
+ * lanes added 0 .. VL-1 (lanes_in_order), then the tail. GCC compiled the loop of `omp simd
+ * reduction(+)` in more than one version within one function (the row loop's first row summed in 16
+ * lanes, later rows in 4), so a row's RMS norm changed with its place in the batch: a decode row
+ * beside others parted from its logits alone from the third layer of SmolLM2 on (2-core Intel Xeon,
+ * the Q4_1 default). */
+static inline float lanes_in_order(vf acc) {
     float lanes[VL], s = 0.0f;
     VSTOREF(lanes, acc);
     for (int l = 0; l < VL; l++) s += lanes[l];
-    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline float sum_of_squares(const float *x, int64_t n) {
+    vf acc = VZERO();
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) acc = VADD(acc, VMUL(VLOADF(x + i), VLOADF(x + i)));
+    float s = lanes_in_order(acc);
+    for (; i < n; i++) s += x[i] * x[i];
     return s;
 }
 
 static inline void rms_norm_row(const float *x, const W *w, float *out, int64_t n, float eps) {
-    const float ss = sum_of_products(x, x, n);
+    const float ss = sum_of_squares(x, n);
     float inv = 1.0f / sqrtf(ss / (float)n + eps);
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) out[i] = (x[i] * inv) * LOADW(w[i]);
@@ -160,13 +166,11 @@ static inline void rotate_neox(float *x, const W *cos_sin, int64_t d) {
     }
 }
 
-static inline float dot(const float *a, const WKV *b, int64_t n) { /* as sum_of_products */
+static inline float dot(const float *a, const WKV *b, int64_t n) { /* in one order, as sum_of_squares */
     vf acc = VZERO();
     int64_t i = 0;
     for (; i + VL <= n; i += VL) acc = VADD(acc, VMUL(VLOADF(a + i), VLOADKV(b + i)));
-    float lanes[VL], s = 0.0f;
-    VSTOREF(lanes, acc);
-    for (int l = 0; l < VL; l++) s += lanes[l];
+    float s = lanes_in_order(acc);
     for (; i < n; i++) s += a[i] * LOADKV(b[i]);
     return s;
 }
