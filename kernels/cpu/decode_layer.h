@@ -508,7 +508,8 @@ int64_t DECODE(attention_units)(const Layer *L, const Step *S, int64_t *starts) 
     for (int64_t m = 0; m < M;) {
         int64_t run = 1;
         if (tiles && S->in_prompt[m])
-            while (run < VL && m + run < M && S->in_prompt[m + run] && same_sequence(S, m + run - 1, L->block_size))
+            while (run < VL && m + run < M && S->in_prompt[m + run] &&
+                   same_sequence(S, m + run - 1, L->block_size))
                 run++;
         starts[units++] = m;
         m += run;
