@@ -63,8 +63,11 @@ QUANT_MAX_ROWS = {"avx512_vnni": 128, "avx2": 32}
 # 3.40 s. float32 AVX2 lost there while its linears were row-major tiles (2.87 vs 2.58 s: MKL's sgemm
 # is an AVX2 kernel, level with them); over packed panels, in slices of 128, the in-process 32-request
 # burst (TIERSERVE_CPU_ISA=avx2, same EPYC) ran 323-325 tok/s where the torch path past 32 rows ran
-# 284-303, its prefill steps 6.1 s where they took 8.7.
-SLICED_MEAN_CONTEXT = {"avx512": 4096, "avx2": 1024}
+# 284-303, its prefill steps 6.1 s where they took 8.7. bfloat16: 0, decode-only steps (its linears
+# are for few rows; prompts past 32 rows keep the torch path's AMX GEMMs): one decode step, random
+# cache, 2-core Intel Xeon, 64 rows at ~300 tokens 107 ms fused in slices of 32 against 123 through
+# the torch path, 48 rows at ~1,500 192 against 348-359 (the torch path's figure with the logits).
+SLICED_MEAN_CONTEXT = {"avx512": 4096, "avx2": 1024, "avx512_bf16": 0}
 QUANT_SLICED_MEAN_CONTEXT = {"avx512_vnni": 1024, "avx2": 1024}
 
 
