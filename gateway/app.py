@@ -1,4 +1,4 @@
-"""The HTTP front: the OpenAI endpoints, ``/v1/models``, ``/health``, ``/ready`` and ``/metrics``.
+"""The HTTP front: the OpenAI endpoints, ``/v1/models[/NAME]``, ``/health``, ``/ready`` and ``/metrics``.
 
 Chat and completions take one path; what differs between them (decoding, prompts, response shapes) is
 an :class:`~gateway.endpoint.Endpoint`:
@@ -69,8 +69,16 @@ def create_app(gateway: Gateway) -> Starlette:
         return Route(endpoint.path, complete, methods=["POST"])
 
     async def models(request: Request) -> Response:
+        identify(gateway.config, request.headers)  # the completion routes' keys
         cards = [ModelCard(id=name, created=gateway.started_at) for name in gateway.builders]
         return _json(ModelList(data=cards))
+
+    async def model(request: Request) -> Response:
+        """OpenAI's retrieve (``client.models.retrieve``): one served model, else 404."""
+        identify(gateway.config, request.headers)
+        name = request.path_params["model"]
+        gateway.builder(name)  # 404 model_not_found, naming the served ones
+        return _json(ModelCard(id=name, created=gateway.started_at))
 
     async def health(request: Request) -> Response:
         return Response("ok\n", media_type="text/plain")
@@ -114,6 +122,7 @@ def create_app(gateway: Gateway) -> Starlette:
         routes=[
             *(completion_route(endpoint) for endpoint in ENDPOINTS),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),  # names may hold "/" (org/name)
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),

@@ -25,6 +25,9 @@ def test_health_ready_models(base_url: str, client: openai.OpenAI) -> None:
     assert httpx.get(f"{base_url}/health", timeout=5).status_code == 200
     assert httpx.get(f"{base_url}/ready", timeout=5).status_code == 200
     assert [m.id for m in client.models.list()] == ["mock"]
+    assert client.models.retrieve("mock").id == "mock"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
 
 
 def test_chat_non_stream(client: openai.OpenAI) -> None:

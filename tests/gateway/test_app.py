@@ -1,6 +1,6 @@
 """The HTTP front's one completion path: both endpoints refuse what a client got wrong with the same
-statuses and messages, before any work is queued (httpx's ASGI transport; a registry fed Register
-messages directly, no worker processes)."""
+statuses and messages, before any work is queued; and the models routes (httpx's ASGI transport; a
+registry fed Register messages directly, no worker processes)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gateway.dispatch import Dispatcher
 from gateway.state import Gateway
 from gateway.tokenizer import BytePromptBuilder
 from tests.wire.registers import cpu_register
-from wire.config import ServerConfig
+from wire.config import GatewayConfig, ServerConfig, Tenant
 from wire.messages import Register
 
 CHAT = "/v1/chat/completions"
@@ -26,19 +26,33 @@ def register(vocab_size: int) -> Register:
     return cpu_register("mock-0", model="mock", max_model_len=CONTEXT, vocab_size=vocab_size)
 
 
-def post(path: str, body: dict[str, object], *, vocab_size: int = 300) -> httpx.Response:
+def call(
+    method: str,
+    path: str,
+    body: dict[str, object] | None = None,
+    *,
+    vocab_size: int = 300,
+    config: ServerConfig | None = None,
+    headers: dict[str, str] | None = None,
+    models: tuple[str, ...] = ("mock",),
+) -> httpx.Response:
     async def main() -> httpx.Response:
         dispatcher = Dispatcher("tcp://127.0.0.1:0")
         dispatcher.registry.on_register(register(vocab_size), 0.0)
-        gateway = Gateway(dispatcher, ServerConfig(), {"mock": BytePromptBuilder()}, 0)
+        builders = {name: BytePromptBuilder() for name in models}
+        gateway = Gateway(dispatcher, config or ServerConfig(), builders, 1234)
         try:
             transport = httpx.ASGITransport(app=create_app(gateway))
             async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
-                return await http.post(path, json={"model": "mock", **body})
+                return await http.request(method, path, json=body, headers=headers)
         finally:
             await dispatcher.close()
 
     return asyncio.run(main())
+
+
+def post(path: str, body: dict[str, object], *, vocab_size: int = 300) -> httpx.Response:
+    return call("POST", path, {"model": "mock", **body}, vocab_size=vocab_size)
 
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -79,3 +93,29 @@ def test_a_chat_prompt_outside_the_workers_vocabulary_names_messages() -> None:
     error = post(CHAT, {"messages": MSG}, vocab_size=50).json()["error"]
     assert error["param"] == "messages"
     assert error["message"].startswith("messages: token ids outside the vocabulary: [")
+
+
+def test_a_model_is_listed_and_retrieved_by_name_slashes_and_all() -> None:
+    models = ("mock", "org/small-model")
+    listed = call("GET", "/v1/models", models=models).json()
+    assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == list(models)
+    for name in models:
+        card = call("GET", f"/v1/models/{name}", models=models)
+        assert card.status_code == 200, card.text
+        assert card.json() == {"id": name, "object": "model", "created": 1234, "owned_by": "tierserve"}
+    missing = call("GET", "/v1/models/gpt-17", models=models)
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert error["message"] == "model 'gpt-17' is not served here (served: 'mock', 'org/small-model')"
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/mock"])
+def test_the_models_routes_take_the_completion_routes_keys(path: str) -> None:
+    keyed = ServerConfig(
+        gateway=GatewayConfig(require_api_key=True), tenants=(Tenant(name="chat", api_keys=("k1",)),)
+    )
+    assert call("GET", path, config=keyed).status_code == 401
+    assert call("GET", path, config=keyed, headers={"authorization": "Bearer nope"}).status_code == 401
+    assert call("GET", path, config=keyed, headers={"authorization": "Bearer k1"}).status_code == 200
+    assert call("GET", path).status_code == 200  # no keys configured: open, as the completion routes
