@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 
 from gateway.tools import CALL_CLOSE, CALL_OPEN, MISTRAL_OPEN, PYTHON_TAG, ToolSpec
 
+FORCED = ("required", "named")  # the tool_choice modes whose answer a grammar writes: calls only
+_CALL_NAME = '{"name": "'  # how the grammar begins a call's JSON (gateway/tools.py grammar)
+_CALL_ARGUMENTS = '", "arguments": '
+
 __all__ = ["AnswerParser", "CallParser", "ParsedCall", "WholeAnswerParser", "answer_parser", "parse_whole"]
 
 
@@ -72,11 +76,21 @@ class CallParser:
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """What is still held (an unclosed block, a partial tag), as content (trailing whitespace
-        after the last call dropped); no call is found here."""
+        after the last call dropped). Under a forced tool_choice the answer is the grammar's calls only,
+        and an unclosed block is a call cut short (``max_tokens``): it is handed out as a call with the
+        arguments written so far (as OpenAI hands out a cut-off call; the finish stays "length"), not
+        as Hermes markup in the content."""
         content: list[str] = []
-        self._emit((CALL_OPEN if self._in_call else "") + self._held, content)
+        found: list[ParsedCall] = []
+        if self.spec.mode not in FORCED:
+            self._emit((CALL_OPEN if self._in_call else "") + self._held, content)
+        elif self._in_call:  # (outside a block a forced answer holds at most a partial tag: dropped)
+            call = _cut_call(self._held, self.spec)
+            if call is not None and (self.spec.parallel or not self.calls):
+                self.calls.append(call)
+                found.append(call)
         self._held, self._in_call, self._gap = "", False, ""
-        return "".join(content), []
+        return "".join(content), found
 
     def _emit(self, text: str, out: list[str]) -> None:
         if not self.calls:
@@ -209,6 +223,35 @@ def parse_whole(spec: ToolSpec, text: str) -> tuple[str | None, list[ParsedCall]
         return content, []
     content = content.strip()
     return content or None, calls
+
+
+def _cut_call(text: str, spec: ToolSpec) -> ParsedCall | None:
+    """A forced call's block cut short: ``text`` is what followed ``<tool_call>``, a prefix of the
+    grammar's ``\n{"name": "NAME", "arguments": ARGS}\n</tool_call>``. The call of its name (before the
+    name is whole: a named choice's, or the one tool it can still be) with ARGS as far as they go (JSON
+    text that may not parse: the call was cut off); None where the name cannot be told."""
+    body = text.removeprefix("\n")
+    try:  # whole, cut inside the closing tag
+        value, _ = json.JSONDecoder().raw_decode(body)
+    except (ValueError, RecursionError):
+        value = None
+    if (call := _parsed(value, spec.names)) is not None:
+        return call
+    if body.startswith(_CALL_NAME):
+        name, quote, after = body[len(_CALL_NAME) :].partition('"')
+        if quote:  # the name is whole
+            if name not in spec.names:
+                return None
+            arguments = after[len(_CALL_ARGUMENTS) - 1 :] if after.startswith(_CALL_ARGUMENTS[1:]) else ""
+            return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+    elif _CALL_NAME.startswith(body):
+        name = ""
+    else:
+        return None  # not the grammar's text
+    possible = [spec.name] if spec.mode == "named" else sorted(n for n in spec.names if n.startswith(name))
+    if len(possible) != 1 or possible[0] is None:
+        return None
+    return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", possible[0], "")
 
 
 def _partial_suffix(text: str, tag: str) -> int:

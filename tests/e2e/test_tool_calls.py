@@ -115,6 +115,37 @@ def test_a_named_call_streams_as_delta_tool_calls(client: openai.OpenAI) -> None
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_named_call_cut_short_is_a_call_not_markup(client: openai.OpenAI, stream: bool) -> None:
+    """As OpenAI answers: the call with its arguments as far as they were written, finish "length"."""
+    ask: dict[str, Any] = dict(
+        model=DEFAULT_MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+    )
+    (full,) = client.chat.completions.create(**ask, max_tokens=96).choices[0].message.tool_calls or []
+    cut = 22  # of ~35 tokens: "<tool_call>", the name, and the arguments to about their middle
+    if stream:
+        chunks = list(client.chat.completions.create(**ask, max_tokens=cut, stream=True))
+        content = "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
+        calls: list[Any] = [d for ch in chunks for c in ch.choices for d in c.delta.tool_calls or []]
+        reasons = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason is not None]
+    else:
+        choice = client.chat.completions.create(**ask, max_tokens=cut).choices[0]
+        content, calls, reasons = (
+            choice.message.content or "",
+            choice.message.tool_calls or [],
+            [choice.finish_reason],
+        )
+    assert reasons == ["length"] and content == ""
+    (call,) = calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments and full.function.arguments.startswith(call.function.arguments)
+    assert call.function.arguments != full.function.arguments
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_two_turn_loop_call_then_result_then_answer(client: openai.OpenAI, stream: bool) -> None:
     first = one_required_call(client)
     message = first.choices[0].message

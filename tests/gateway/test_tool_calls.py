@@ -121,3 +121,38 @@ def test_a_forced_call_is_read_as_the_grammar_writes_it_whatever_the_template() 
     assert isinstance(answer_parser(named), CallParser)
     assert isinstance(answer_parser(in_format("hermes")), CallParser)
     assert parse_whole(in_format("llama3_json", "required"), CALL)[1][0].name == "get_weather"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_answer_cut_short_hands_out_its_calls_never_markup(choice: object) -> None:
+    """max_tokens can end a grammar-held answer anywhere: its calls so far, and the cut one as far as
+    it was written (its name, where it can be told, and the arguments' text so far), stream or whole;
+    the Hermes markup never reaches the content."""
+    text = CALL + "\n" + CALL_2 if choice == "required" else CALL
+    forced = spec(choice)
+    for cut in range(len(text) + 1):
+        answer = text[:cut]
+        content, calls = parse_whole(forced, answer)
+        assert content in (None, ""), (answer, content)
+        whole_calls = parse_whole(forced, text)[1]
+        if calls:  # every call but the last is whole; the last is whole or cut where the text was cut
+            assert [(c.name, c.arguments) for c in calls[:-1]] == [
+                (c.name, c.arguments) for c in whole_calls[: len(calls) - 1]
+            ]
+            last, model = calls[-1], whole_calls[len(calls) - 1]
+            assert last.name == model.name and model.arguments.startswith(last.arguments), (answer, last)
+            assert last.arguments in answer
+        # A block is a call once it opens for a named choice; under required once its name so far is
+        # one tool's alone (get_weather, get_time: from its fifth letter).
+        blocks = [b.partition('{"name": "')[2] for b in answer.split("<tool_call>")[1:]]
+        told = [b for b in blocks if choice != "required" or len(b) >= len("get_w")]
+        assert len(calls) == len(told), (answer, calls)
+        # Streamed in two pieces: the same calls.
+        parser = CallParser(forced)
+        streamed = [*parser.feed(answer[: cut // 2])[1], *parser.feed(answer[cut // 2 :])[1]]
+        rest, more = parser.finish()
+        assert rest == "" and [(c.name, c.arguments) for c in streamed + more] == [
+            (c.name, c.arguments) for c in calls
+        ]
+    # Under auto a cut block is the model's own text: it stays content.
+    assert parse_whole(spec(), CALL[:40]) == (CALL[:40], [])
