@@ -358,9 +358,17 @@ T = TypeVar("T")
 
 
 def decode_body(body: bytes, kind: type[T]) -> T:
-    """``body`` as ``kind``; a field that does not fit is an InvalidRequestError naming its path."""
+    """``body`` as ``kind``; a field that does not fit is an InvalidRequestError naming its path.
+    A top-level field sent as ``null`` is taken as absent (its default), as OpenAI's API takes it:
+    clients that serialise every optional field send ``"n": null``, ``"stream": null``."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        try:
+            return msgspec.json.decode(body, type=kind)
+        except msgspec.ValidationError:
+            stripped = _without_top_level_nulls(body)
+            if stripped is None:
+                raise
+            return msgspec.json.decode(stripped, type=kind)
     except msgspec.ValidationError as exc:
         message = str(exc)
         unknown, path = _UNKNOWN.search(message), _PATH.search(message)
@@ -377,6 +385,18 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidRequestError("body", "nested too deeply") from None
+
+
+def _without_top_level_nulls(body: bytes) -> bytes | None:
+    """``body`` without its top-level ``null`` fields; None when it has none (or is not an object).
+    Only the top level: below it a ``null`` can mean something (a JSON schema's ``"const": null``)."""
+    try:
+        value = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if not isinstance(value, dict) or all(v is not None for v in value.values()):
+        return None
+    return msgspec.json.encode({k: v for k, v in value.items() if v is not None})
 
 
 def decode_chat(body: bytes) -> ChatCompletionRequest:

@@ -298,6 +298,19 @@ def test_an_unknown_field_is_a_400_naming_it_and_no_op_fields_pass(client: opena
     assert completion.usage is not None and completion.usage.completion_tokens == 3
 
 
+def test_null_fields_are_their_defaults(base_url: str) -> None:
+    """A client that writes every optional field (``"n": null``, ``"stream": null``) is served as one
+    that leaves them out: a whole (not streamed) answer of one choice."""
+    nulls = dict.fromkeys(
+        ["n", "stream", "logprobs", "presence_penalty", "frequency_penalty", "stop", "seed"]
+    )
+    body = {"model": "mock", "messages": MSG, "max_tokens": 3, "temperature": 0, **nulls}
+    response = httpx.post(f"{base_url}{CHAT}", json=body, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    assert len(response.json()["choices"]) == 1 and response.json()["usage"]["completion_tokens"] == 3
+
+
 def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MSG)

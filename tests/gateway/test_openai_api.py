@@ -14,7 +14,7 @@ from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 from gateway.errors import APIError, from_dispatch, invalid
 from gateway.logprobs import TokenTexts
 from gateway.openai_api import ChatRenderer, ChoiceResult, CompletionRenderer, UsageInfo
-from gateway.openai_requests import ChatCompletionRequest, decode_chat, decode_completion
+from gateway.openai_requests import ChatCompletionRequest, CompletionRequest, decode_chat, decode_completion
 from gateway.request_stream import NoWorkerAvailable, WorkerLost, WorkerRejected
 from wire.errors import InvalidRequestError
 from wire.messages import TokenDelta, TokenLogprob, Usage
@@ -136,6 +136,30 @@ def test_a_field_that_would_be_dropped_is_a_400_naming_it(decode: Any, body: byt
         decode(body)
     error = invalid(info.value)
     assert error.status == 400 and error.param == field
+
+
+@pytest.mark.parametrize("decode", [decode_chat, decode_completion])
+def test_a_top_level_null_is_the_field_s_default(decode: Any) -> None:
+    """OpenAI's API takes null for an optional field as its default; clients that write every field
+    (``"n": null``, ``"stream": null``) must get the same request as those that leave them out."""
+    if decode is decode_chat:
+        base: dict[str, object] = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        fields = ChatCompletionRequest.__struct_fields__
+    else:
+        base = {"model": "m", "prompt": "x"}
+        fields = CompletionRequest.__struct_fields__
+    optional = [f for f in fields if f not in base]
+    with_nulls = decode(msgspec.json.encode({**base, **dict.fromkeys(optional), "service_tier": None}))
+    assert with_nulls == decode(msgspec.json.encode(base))
+    # Below the top level a null is kept: in a JSON schema it means something.
+    schema = {"type": "object", "properties": {"a": {"const": None}}}
+    if decode is decode_chat:
+        response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        request = decode(msgspec.json.encode({**base, "n": None, "response_format": response_format}))
+        assert request.response_format.json_schema.schema == schema
+    with pytest.raises(InvalidRequestError) as info:  # a required field is still required
+        decode(msgspec.json.encode({**base, "model": None}))
+    assert info.value.field == "model"
 
 
 def test_fields_that_change_nothing_are_accepted() -> None:
