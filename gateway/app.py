@@ -205,6 +205,7 @@ async def _complete(request: Request, gateway: Gateway, endpoint: Endpoint[Body]
         requested_model=placement.requested,
         is_degraded=placement.is_degraded,
         priority=parsed.priority,
+        continuous_usage=parsed.continuous_usage,
     )
     log.debug("request %s: tenant %s, tier %s, model %s (asked for %s)", request_id,
               identity.tenant.name, identity.tier.name, model, placement.requested)  # fmt: skip

@@ -64,6 +64,7 @@ class Job:
     requested_model: str | None = None  # what the client asked for, when ``model`` is its fallback
     is_degraded: bool = False  # served by the fallback pool (the degradation policy chose, once)
     priority: int = 0  # the body's ``priority``: order within the tier (lower first)
+    continuous_usage: bool = False  # streamed: the usage so far on every chunk (vLLM's option)
     arrival: float = field(default_factory=time.monotonic)
 
     @property
@@ -268,7 +269,8 @@ class _Run:
                     self._on_delta(index, delta)
                     if self.capture_content:
                         self.progress[index].text.append(delta.text)
-                    for chunk in renderer.chunks(self.job.choices[index].index, delta):
+                    usage = self.usage() if self.job.continuous_usage else None
+                    for chunk in renderer.chunks(self.job.choices[index].index, delta, usage):
                         yield event(chunk)
                     if self._done():
                         break

@@ -180,8 +180,9 @@ class Renderer(Protocol):
         """What a stream sends for choice ``index`` before its first token (chat: the role)."""
         ...
 
-    def chunks(self, index: int, delta: TokenDelta) -> list[object]:
-        """What a stream sends for one TokenDelta of choice ``index`` (nothing for an empty one)."""
+    def chunks(self, index: int, delta: TokenDelta, usage: UsageInfo | None = None) -> list[object]:
+        """What a stream sends for one TokenDelta of choice ``index`` (nothing for an empty one);
+        ``usage``, where given, on each of them (vLLM's ``continuous_usage_stats``)."""
         ...
 
     def usage_chunk(self, usage: UsageInfo) -> object: ...
@@ -221,7 +222,7 @@ class ChatRenderer:
     def opening(self, index: int) -> object | None:
         return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
 
-    def chunks(self, index: int, delta: TokenDelta) -> list[object]:
+    def chunks(self, index: int, delta: TokenDelta, usage: UsageInfo | None = None) -> list[object]:
         out: list[object] = []
         text, parser, num_before = delta.text, None, 0
         calls: list[ParsedCall] = []
@@ -238,16 +239,18 @@ class ChatRenderer:
             choice = ChatChunkChoice(
                 index=index, delta=ChatDelta(content=text), logprobs=self._logprobs(delta.logprobs)
             )
-            out.append(self._chunk([choice]))
+            out.append(self._chunk([choice], usage))
         if calls:
             deltas = [
                 ToolCallDelta(index=num_before + k, id=c.id, function=_function(c))
                 for k, c in enumerate(calls)
             ]
-            out.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas))]))
+            out.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas))], usage))
         if delta.finish_reason is not None:
             reason = _with_calls(finish_reason(delta), parser is not None and bool(parser.calls))
-            out.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)]))
+            out.append(
+                self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)], usage)
+            )
         return out
 
     def usage_chunk(self, usage: UsageInfo) -> object:
@@ -318,7 +321,7 @@ class CompletionRenderer:
     def opening(self, index: int) -> object | None:
         return None  # text completions have no role chunk
 
-    def chunks(self, index: int, delta: TokenDelta) -> list[object]:
+    def chunks(self, index: int, delta: TokenDelta, usage: UsageInfo | None = None) -> list[object]:
         has_logprobs = self.texts is not None and bool(delta.logprobs)
         if not (delta.text or has_logprobs or delta.finish_reason is not None):
             return []
@@ -328,7 +331,7 @@ class CompletionRenderer:
             logprobs=self._logprobs(index, delta.logprobs),
             finish_reason=finish_reason(delta),
         )
-        return [self._body([choice])]
+        return [self._body([choice], usage)]
 
     def usage_chunk(self, usage: UsageInfo) -> object:
         return self._body([], usage)

@@ -67,7 +67,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -183,6 +184,16 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: every chunk carries the usage so far (with include_usage,
+        as vLLM has it)."""
+        return (
+            self.include_usage
+            and self.stream_options is not None
+            and self.stream_options.continuous_usage_stats
+        )
 
     def check_n(self, max_n: int) -> None:
         if not 1 <= self.n <= max_n:

@@ -7,6 +7,8 @@ embedded model (slow) is in test_serve_smollm2.py, a GGUF pool in test_serve_ggu
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
 import httpx
 import openai
@@ -90,6 +92,35 @@ def test_completions_non_stream_and_stream(client: openai.OpenAI) -> None:
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected_text(ids, 25)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 25
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(base_url: str, path: str) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (with include_usage): each chunk carries the
+    usage so far, its completion tokens counting up to the final usage chunk's."""
+    prompt = {"messages": MSG} if path == CHAT else {"prompt": "Once upon a time"}
+    body = {"model": "mock", **prompt, "max_tokens": 12, "temperature": 0, "stream": True}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with httpx.stream("POST", f"{base_url}{path}", json={**body, "stream_options": options}, timeout=30) as r:
+        assert r.status_code == 200
+        data = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(d) for d in data if d != "[DONE]"]
+    token_chunks = [c for c in chunks if c["choices"] and _chunk_text(c["choices"][0])]
+    assert token_chunks and all(c["usage"] is not None for c in token_chunks)
+    counts = [c["usage"]["completion_tokens"] for c in token_chunks]
+    assert counts == sorted(counts) and counts[0] >= 1
+    final = chunks[-1]
+    assert not final["choices"] and final["usage"]["completion_tokens"] == 12 >= counts[-1]
+    assert {c["usage"]["prompt_tokens"] for c in token_chunks} == {final["usage"]["prompt_tokens"]}
+    # Without include_usage it asks for nothing (as in vLLM): no usage anywhere.
+    options = {"continuous_usage_stats": True}
+    with httpx.stream("POST", f"{base_url}{path}", json={**body, "stream_options": options}, timeout=30) as r:
+        data = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert all(json.loads(d)["usage"] is None for d in data if d != "[DONE]")
+
+
+def _chunk_text(choice: dict[str, Any]) -> str:
+    return str(choice.get("text") or choice.get("delta", {}).get("content") or "")
 
 
 def test_tokenize_and_detokenize_as_vllm_shapes_them(base_url: str) -> None:
