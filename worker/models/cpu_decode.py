@@ -54,21 +54,23 @@ MAX_ROWS = {"avx512_bf16": 32}
 # prefill step took 1.12 s in slices of 64 rows, ~1.0 in slices of 128 (256 and 512: no better).
 QUANT_MAX_ROWS = {"avx512_vnni": 128, "avx2": 32}
 # Builds (by ISA, float and quantized as for the row counts above) that take a step of any size as
-# slices of at most max_rows rows, while the prompt rows' mean context stays within this (the torch path's
-# SDPA tiles a long prompt's keys; the fused layer tiles a prompt's rows since decode_layer.h's
-# attend_tile: float32 AVX-512 is then ahead to 4,000-token prompts, one alone 6.5 s fused against 8.0
-# through torch, AVX2 10.3-10.6 against 10.2, so AVX2 keeps 1024; 2-core Intel Xeon). Measured on the
-# 2-core EPYC (Zen 5), a 2,000-token prefill step, fused vs torch: float32 AVX-512 10 x 200 tokens 1.75 vs
-# 3.17 s, 1 x 2,000 3.51 vs 3.98 s; quantized VNNI 10 x 200 1.61 vs 2.40 s; quantized AVX2 2.82 vs
-# 3.40 s. float32 AVX2 lost there while its linears were row-major tiles (2.87 vs 2.58 s: MKL's sgemm
-# is an AVX2 kernel, level with them); over packed panels, in slices of 128, the in-process 32-request
-# burst (TIERSERVE_CPU_ISA=avx2, same EPYC) ran 323-325 tok/s where the torch path past 32 rows ran
-# 284-303, its prefill steps 6.1 s where they took 8.7. bfloat16: 0, decode-only steps (its linears
-# are for few rows; prompts past 32 rows keep the torch path's AMX GEMMs): one decode step, random
-# cache, 2-core Intel Xeon, 64 rows at ~300 tokens 107 ms fused in slices of 32 against 123 through
-# the torch path, 48 rows at ~1,500 192 against 348-359 (the torch path's figure with the logits).
-SLICED_MEAN_CONTEXT = {"avx512": 4096, "avx2": 1024, "avx512_bf16": 0}
-QUANT_SLICED_MEAN_CONTEXT = {"avx512_vnni": 1024, "avx2": 1024}
+# slices of at most max_rows rows, while the prompt rows' mean context stays within this; past it the
+# torch path's SDPA. A cold prompt of 8,100 tokens in the default 2,048-token chunks (chunk means
+# ~1,024, 3,072, 5,120, 7,100), each chunk fused vs torch, 2-core Intel Xeon (AMX; "AVX2": capped):
+# Q4_1 VNNI 1.96 / 3.14 / 4.46 / 5.85 s against 2.77 / 4.35 / 5.86 / 7.11; Q4_1 AVX2 4.33 / 6.94 /
+# 9.61 / 11.01 against 5.29 / 7.40 / 9.77 / 11.73; float32 AVX-512 2.07 / 3.49 / 5.18 / 6.39 against
+# 2.49 / 4.22 / 5.90 / 7.31; float32 AVX2 (6,100 tokens) 3.40 / 5.53 / 7.73 against 5.21 / 6.76 / 8.40.
+# The AVX2 builds stop at 4,096, where their lead (0.82-0.94 below it) falls to 0.92-0.98. (The
+# bound was 1,024 for these before: a 2,048-token chunk from position 0, mean 1,024.5, went through
+# the torch path, 1.2-1.6x slower.) Earlier, on the 2-core EPYC (Zen 5), 10 x 200-token prompts in
+# one step: float32 AVX-512 1.75 vs 3.17 s, Q4_1 VNNI 1.61 vs 2.40, Q4_1 AVX2 2.82 vs 3.40; the
+# float32 AVX2 32-request burst 323-325 tok/s in slices of 128 against 284-303 (prefill steps 6.1 s
+# against 8.7). bfloat16: 0, decode-only steps (its linears are for few rows; prompts past 32 rows
+# keep the torch path's AMX GEMMs): one decode step, random cache, 2-core Intel Xeon, 64 rows at ~300
+# tokens 107 ms fused in slices of 32 against 123 through the torch path, 48 rows at ~1,500 192
+# against 348-359 (the torch path's figure with the logits).
+SLICED_MEAN_CONTEXT = {"avx512": 8192, "avx2": 4096, "avx512_bf16": 0}
+QUANT_SLICED_MEAN_CONTEXT = {"avx512_vnni": 8192, "avx2": 4096}
 
 
 class CpuDecodeStep:
