@@ -35,7 +35,7 @@ USAGE = """usage: tierserve {serve,config,keys,models,generate,worker,load,bench
   generate   answer one prompt in-process with the engine
   worker     run a worker daemon that dials a gateway over ZeroMQ (worker probe: its liveness check)
   load       drive an OpenAI-compatible server with a seeded workload; per-tier report and plots
-  bench      run a named benchmark scenario (engine, gateway-overhead, load-smoke); --record
+  bench      run a named benchmark scenario (engine, peers, tiers, ...: bench --help lists them); --record
 
 tierserve COMMAND --help for a command's options.
 """
