@@ -18,7 +18,7 @@ from gateway.tools import CALL_CLOSE, CALL_OPEN, MISTRAL_OPEN, PYTHON_TAG, ToolS
 
 FORCED = ("required", "named")  # the tool_choice modes whose answer a grammar writes: calls only
 _CALL_NAME = '{"name": "'  # how the grammar begins a call's JSON (gateway/tools.py grammar)
-_CALL_ARGUMENTS = '", "arguments": '
+_CALL_ARGUMENTS = ', "arguments": '  # what follows the name's closing quote
 
 __all__ = ["AnswerParser", "CallParser", "ParsedCall", "WholeAnswerParser", "answer_parser", "parse_whole"]
 
@@ -210,7 +210,7 @@ def _parsed(value: object, names: frozenset[str]) -> ParsedCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments))
+    return ParsedCall(_call_id(), value["name"], json.dumps(arguments))
 
 
 def parse_whole(spec: ToolSpec, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -242,8 +242,8 @@ def _cut_call(text: str, spec: ToolSpec) -> ParsedCall | None:
         if quote:  # the name is whole
             if name not in spec.names:
                 return None
-            arguments = after[len(_CALL_ARGUMENTS) - 1 :] if after.startswith(_CALL_ARGUMENTS[1:]) else ""
-            return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+            arguments = after.removeprefix(_CALL_ARGUMENTS) if after.startswith(_CALL_ARGUMENTS) else ""
+            return ParsedCall(_call_id(), name, arguments)
     elif _CALL_NAME.startswith(body):
         name = ""
     else:
@@ -251,7 +251,11 @@ def _cut_call(text: str, spec: ToolSpec) -> ParsedCall | None:
     possible = [spec.name] if spec.mode == "named" else sorted(n for n in spec.names if n.startswith(name))
     if len(possible) != 1 or possible[0] is None:
         return None
-    return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", possible[0], "")
+    return ParsedCall(_call_id(), possible[0], "")
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _partial_suffix(text: str, tag: str) -> int:
