@@ -207,20 +207,23 @@ def export_isa_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> N
 
 
 def read_cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[str]]:
-    """(model name, flags) of the first CPU; empty flags where there is no such file (not Linux)."""
+    """(model name, flags) of the first CPU; empty flags where there is no such file (not Linux).
+
+    The name carries the CPU's family and model numbers where the file gives them: a VM's name is often
+    the vendor's line alone ("AMD EPYC" for a Zen 2, 4 or 5), and figures from one do not carry to another.
+    """
     try:
         text = path.read_text()
     except OSError:
         return platform.processor() or platform.machine() or "unknown CPU", frozenset()
-    model_name, flags = "unknown CPU", frozenset[str]()
+    first: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and model_name == "unknown CPU":
-            model_name = value.strip()
-        elif key == "flags" and not flags:
-            flags = frozenset(value.split())
-    return model_name, flags
+        first.setdefault(key.strip(), value.strip())
+    model_name = first.get("model name") or "unknown CPU"
+    if "cpu family" in first and "model" in first:
+        model_name += f" (family {first['cpu family']}, model {first['model']})"
+    return model_name, frozenset(first.get("flags", "").split())
 
 
 @functools.cache

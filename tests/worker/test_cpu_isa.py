@@ -184,6 +184,17 @@ def test_read_cpuinfo_takes_the_first_cpu(tmp_path: Path) -> None:
     assert read_cpuinfo(tmp_path / "missing")[1] == frozenset()
 
 
+def test_read_cpuinfo_names_the_family_and_model(tmp_path: Path) -> None:
+    """A VM's "AMD EPYC" is a Zen 2, 4 or 5: the numbers tell them apart in logs and recorded figures."""
+    path = tmp_path / "cpuinfo"
+    path.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+        "model name\t: AMD EPYC\nflags\t\t: fpu avx2\n\n"
+        "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\nflags\t\t: fpu\n"
+    )
+    assert read_cpuinfo(path) == ("AMD EPYC (family 25, model 17)", frozenset({"fpu", "avx2"}))
+
+
 def test_level_needs_every_defining_flag() -> None:
     assert level_of({"avx2"}) is IsaLevel.DEFAULT  # AVX2 without FMA: no x86-64-v3
     assert level_of(AVX2 | {"avx512_bf16"}) is IsaLevel.AVX2  # bf16 without the AVX-512 core
