@@ -189,11 +189,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def continuous_usage(self) -> bool:
         """vLLM's ``continuous_usage_stats``: every chunk carries the usage so far (with include_usage,
         as vLLM has it)."""
-        return (
-            self.include_usage
-            and self.stream_options is not None
-            and self.stream_options.continuous_usage_stats
-        )
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     def check_n(self, max_n: int) -> None:
         if not 1 <= self.n <= max_n:

@@ -100,11 +100,10 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(base_url: s
     usage so far, its completion tokens counting up to the final usage chunk's."""
     prompt = {"messages": MSG} if path == CHAT else {"prompt": "Once upon a time"}
     body = {"model": "mock", **prompt, "max_tokens": 12, "temperature": 0, "stream": True}
-    options = {"include_usage": True, "continuous_usage_stats": True}
-    with httpx.stream("POST", f"{base_url}{path}", json={**body, "stream_options": options}, timeout=30) as r:
-        assert r.status_code == 200
-        data = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
-    chunks = [json.loads(d) for d in data if d != "[DONE]"]
+    chunks = _streamed(
+        f"{base_url}{path}",
+        {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )
     token_chunks = [c for c in chunks if c["choices"] and _chunk_text(c["choices"][0])]
     assert token_chunks and all(c["usage"] is not None for c in token_chunks)
     counts = [c["usage"]["completion_tokens"] for c in token_chunks]
@@ -113,10 +112,16 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(base_url: s
     assert not final["choices"] and final["usage"]["completion_tokens"] == 12 >= counts[-1]
     assert {c["usage"]["prompt_tokens"] for c in token_chunks} == {final["usage"]["prompt_tokens"]}
     # Without include_usage it asks for nothing (as in vLLM): no usage anywhere.
-    options = {"continuous_usage_stats": True}
-    with httpx.stream("POST", f"{base_url}{path}", json={**body, "stream_options": options}, timeout=30) as r:
+    chunks = _streamed(f"{base_url}{path}", {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert chunks and all(c["usage"] is None for c in chunks)
+
+
+def _streamed(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chunks of a streamed answer, as JSON objects (the closing ``[DONE]`` left out)."""
+    with httpx.stream("POST", url, json=body, timeout=30) as r:
+        assert r.status_code == 200
         data = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
-    assert all(json.loads(d)["usage"] is None for d in data if d != "[DONE]")
+    return [json.loads(d) for d in data if d != "[DONE]"]
 
 
 def _chunk_text(choice: dict[str, Any]) -> str:
