@@ -242,21 +242,37 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def check_messages(messages: Sequence[ChatMessage]) -> None:
-    """Each message's role known (``messages[i].role`` named otherwise); a tool message answers a
-    call (``tool_call_id``), only an assistant's message carries calls."""
+    """Each message's role known (``messages[i].role`` named otherwise); only an assistant's message
+    carries calls; a tool message answers one of them (``tool_call_id``), as OpenAI's API has it: it
+    follows the assistant message with the call, only other answers between them."""
+    calls: list[str] = []  # the ids a tool message here may answer
     for i, message in enumerate(messages):
         if message.role not in ROLES:
             raise InvalidRequestError(
                 f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {message.role!r}"
             )
-        if message.role == "tool" and not message.tool_call_id:
-            raise InvalidRequestError(
-                f"messages[{i}].tool_call_id", "a tool message must name the call it answers"
-            )
         if message.tool_calls and message.role != "assistant":
             raise InvalidRequestError(
                 f"messages[{i}].tool_calls", "only an assistant's message has tool calls"
             )
+        if message.role == "tool":
+            _check_answer(i, message.tool_call_id, calls)
+        else:
+            calls = [call.id for call in message.tool_calls or ()]
+
+
+def _check_answer(i: int, call_id: str | None, calls: list[str]) -> None:
+    field = f"messages[{i}].tool_call_id"
+    if not call_id:
+        raise InvalidRequestError(field, "a tool message must name the call it answers")
+    if not calls:
+        raise InvalidRequestError(
+            field, "a tool message must follow an assistant message with tool_calls (or another answer)"
+        )
+    if call_id not in calls:
+        raise InvalidRequestError(
+            field, f"{call_id!r} is none of the calls before it ({', '.join(map(repr, calls))})"
+        )
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

@@ -133,6 +133,29 @@ BAD_REQUESTS: list[tuple[str, str, bytes | dict[str, object], dict[str, str], in
         "messages[1].tool_call_id",
     ),
     (
+        "tool message after no call",
+        CHAT,
+        chat(messages=[*MSG, {"role": "tool", "tool_call_id": "call_1", "content": "42"}]),
+        {},
+        400,
+        "messages[1].tool_call_id",
+    ),
+    (
+        "tool message answering another call",
+        CHAT,
+        chat(
+            messages=[
+                *MSG,
+                {"role": "assistant", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "43"},
+            ]
+        ),
+        {},
+        400,
+        "messages[3].tool_call_id",
+    ),
+    (
         "tool calls on a user message",
         CHAT,
         chat(messages=[{"role": "user", "content": "x", "tool_calls": [CALL]}]),
