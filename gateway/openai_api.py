@@ -247,7 +247,7 @@ class ChatRenderer:
             ]
             out.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas))], usage))
         if delta.finish_reason is not None:
-            reason = _with_calls(finish_reason(delta), parser is not None and bool(parser.calls))
+            reason = _with_calls(finish_reason(delta), [] if parser is None else parser.calls)
             out.append(
                 self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)], usage)
             )
@@ -275,7 +275,7 @@ class ChatRenderer:
             index=c.index,
             message=AssistantMessage(role="assistant", content=content, tool_calls=tool_calls or None),
             logprobs=self._logprobs(c.logprobs),
-            finish_reason=_with_calls(c.finish_reason, bool(calls)),
+            finish_reason=_with_calls(c.finish_reason, calls),
         )
 
 
@@ -283,9 +283,10 @@ def _function(call: ParsedCall) -> FunctionCall:
     return FunctionCall(name=call.name, arguments=call.arguments)
 
 
-def _with_calls(reason: FinishReason | None, has_calls: bool) -> FinishReason | None:
-    """OpenAI's finish_reason for an answer that ended in tool calls (a cut-off one stays "length")."""
-    return "tool_calls" if has_calls and reason == "stop" else reason
+def _with_calls(reason: FinishReason | None, calls: Sequence[ParsedCall]) -> FinishReason | None:
+    """OpenAI's finish_reason for an answer that ended in tool calls: "tool_calls" when they are whole;
+    a call cut short keeps the reason that cut it ("length", or "stop" for a stop string)."""
+    return "tool_calls" if calls and calls[-1].whole and reason == "stop" else reason
 
 
 class CompletionRenderer:

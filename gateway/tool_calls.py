@@ -28,6 +28,7 @@ class ParsedCall:
     id: str
     name: str
     arguments: str  # JSON text
+    whole: bool = True  # False: a forced call cut short, its arguments as far as they were written
 
 
 @dataclass(slots=True)
@@ -243,7 +244,7 @@ def _cut_call(text: str, spec: ToolSpec) -> ParsedCall | None:
             if name not in spec.names:
                 return None
             arguments = after.removeprefix(_CALL_ARGUMENTS) if after.startswith(_CALL_ARGUMENTS) else ""
-            return ParsedCall(_call_id(), name, arguments)
+            return ParsedCall(_call_id(), name, arguments, whole=False)
     elif _CALL_NAME.startswith(body):
         name = ""
     else:
@@ -251,7 +252,7 @@ def _cut_call(text: str, spec: ToolSpec) -> ParsedCall | None:
     possible = [spec.name] if spec.mode == "named" else sorted(n for n in spec.names if n.startswith(name))
     if len(possible) != 1 or possible[0] is None:
         return None
-    return ParsedCall(_call_id(), possible[0], "")
+    return ParsedCall(_call_id(), possible[0], "", whole=False)
 
 
 def _call_id() -> str:

@@ -115,8 +115,12 @@ def test_a_named_call_streams_as_delta_tool_calls(client: openai.OpenAI) -> None
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_named_call_cut_short_is_a_call_not_markup(client: openai.OpenAI, stream: bool) -> None:
-    """As OpenAI answers: the call with its arguments as far as they were written, finish "length"."""
+@pytest.mark.parametrize("cut_by", ["max_tokens", "stop"])
+def test_a_named_call_cut_short_is_a_call_not_markup(
+    client: openai.OpenAI, stream: bool, cut_by: str
+) -> None:
+    """As OpenAI answers: the call with its arguments as far as they were written, finish "length"
+    (max_tokens) or "stop" (a stop string): never "tool_calls", which says the calls are whole."""
     ask: dict[str, Any] = dict(
         model=DEFAULT_MODEL,
         messages=ASK,
@@ -125,20 +129,24 @@ def test_a_named_call_cut_short_is_a_call_not_markup(client: openai.OpenAI, stre
         temperature=0,
     )
     (full,) = client.chat.completions.create(**ask, max_tokens=96).choices[0].message.tool_calls or []
-    cut = 22  # of ~35 tokens: "<tool_call>", the name, and the arguments to about their middle
+    if cut_by == "max_tokens":
+        cut: dict[str, Any] = dict(max_tokens=22)  # of ~35 tokens: to about the arguments' middle
+    else:  # a stop string met inside the arguments: the first string value's text
+        value = next(v for v in json.loads(full.function.arguments).values() if isinstance(v, str))
+        cut = dict(max_tokens=96, stop=[value])
     if stream:
-        chunks = list(client.chat.completions.create(**ask, max_tokens=cut, stream=True))
+        chunks = list(client.chat.completions.create(**ask, **cut, stream=True))
         content = "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
         calls: list[Any] = [d for ch in chunks for c in ch.choices for d in c.delta.tool_calls or []]
         reasons = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason is not None]
     else:
-        choice = client.chat.completions.create(**ask, max_tokens=cut).choices[0]
+        choice = client.chat.completions.create(**ask, **cut).choices[0]
         content, calls, reasons = (
             choice.message.content or "",
             choice.message.tool_calls or [],
             [choice.finish_reason],
         )
-    assert reasons == ["length"] and content == ""
+    assert reasons == ["length" if cut_by == "max_tokens" else "stop"] and content == ""
     (call,) = calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     assert call.function.arguments and full.function.arguments.startswith(call.function.arguments)

@@ -125,9 +125,9 @@ def test_a_forced_call_is_read_as_the_grammar_writes_it_whatever_the_template() 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_answer_cut_short_hands_out_its_calls_never_markup(choice: object) -> None:
-    """max_tokens can end a grammar-held answer anywhere: its calls so far, and the cut one as far as
-    it was written (its name, where it can be told, and the arguments' text so far), stream or whole;
-    the Hermes markup never reaches the content."""
+    """max_tokens or a stop string can end a grammar-held answer anywhere: its calls so far, and the cut
+    one as far as it was written (its name, where it can be told, and the arguments' text so far,
+    marked not whole), stream or whole; the Hermes markup never reaches the content."""
     text = CALL + "\n" + CALL_2 if choice == "required" else CALL
     forced = spec(choice)
     for cut in range(len(text) + 1):
@@ -142,6 +142,9 @@ def test_a_forced_answer_cut_short_hands_out_its_calls_never_markup(choice: obje
             last, model = calls[-1], whole_calls[len(calls) - 1]
             assert last.name == model.name and model.arguments.startswith(last.arguments), (answer, last)
             assert last.arguments in answer
+            # Only the last can be cut; a whole one has all its arguments (its finish: "tool_calls").
+            assert all(c.whole for c in calls[:-1]) and (last.whole or cut < len(text))
+            assert not last.whole or last.arguments == model.arguments, (answer, last)
         # A block is a call once it opens for a named choice; under required once its name so far is
         # one tool's alone (get_weather, get_time: from its fifth letter).
         blocks = [b.partition('{"name": "')[2] for b in answer.split("<tool_call>")[1:]]
