@@ -55,6 +55,10 @@ from policies.registry import load_policy
 from telemetry import Telemetry, TelemetryConfigError, configure
 from wire.config import ServerConfig
 
+# The start-up line's words once every worker serve expects is ready ("N/N workers ready; serving ..."):
+# /ready answers 200 from the first one on; launchers that need the whole fleet wait for this line.
+ALL_READY = "workers ready; serving"
+
 
 @dataclass(slots=True)
 class ServeOptions:
@@ -293,7 +297,7 @@ async def _wait_for_workers(
             await dispatcher.wait_until(lambda r=ready: num_ready() != r, timeout_s=1.0)  # type: ignore[misc]
     host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
     names = ", ".join(repr(launch.name) for launch in options.pools)
-    _say(f"{expected}/{expected} workers ready; serving {names} on http://{host}:{options.port}")
+    _say(f"{expected}/{expected} {ALL_READY} {names} on http://{host}:{options.port}")
     _say(
         f"try:\n  curl http://{host}:{options.port}/v1/chat/completions -H 'Content-Type: application/json' "
         f"""-d '{{"model": "{options.primary_name}", "messages": [{{"role": "user", "content": "Hi"}}]}}'"""

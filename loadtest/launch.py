@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from gateway.serve import ALL_READY
+
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 20.0
@@ -54,7 +56,9 @@ def running_server(
     args: list[str], log_path: Path, ready_timeout_s: float, *, port: int | None = None
 ) -> Iterator[Server]:
     """``python -m tierserve serve --host 127.0.0.1 --port PORT *args``, yielded once ``/ready`` answers
-    200; its whole process group is terminated, then killed, on the way out whatever happened."""
+    200 and serve has said that every worker it expects is ready (``/ready`` alone answers from the
+    first one on); its whole process group is terminated, then killed, on the way out whatever
+    happened."""
     port = free_port() if port is None else port
     command = [sys.executable, "-m", "tierserve", "serve", "--host", HOST, "--port", str(port), *args]
     with log_path.open("wb") as log:
@@ -100,7 +104,14 @@ def _wait_ready(process: subprocess.Popen[bytes], base_url: str, timeout_s: floa
             if process.poll() is not None:
                 raise RuntimeError(f"serve exited with {process.returncode}:\n{log_tail(log_path)}")
             with suppress(httpx.TransportError):
-                if client.get(f"{base_url}/ready").status_code == 200:
+                if client.get(f"{base_url}/ready").status_code == 200 and _all_ready(log_path):
                     return
             time.sleep(POLL_INTERVAL_S)  # polling interval of a deadline-bounded wait, not synchronisation
-    raise TimeoutError(f"{base_url}/ready not 200 after {timeout_s} s:\n{log_tail(log_path)}")
+    raise TimeoutError(f"{base_url} not ready, all its workers, after {timeout_s} s:\n{log_tail(log_path)}")
+
+
+def _all_ready(log_path: Path) -> bool:
+    """Serve's log has its line for every expected worker ready (gateway/serve.py)."""
+    with suppress(OSError):
+        return ALL_READY.encode() in log_path.read_bytes()
+    return False

@@ -8,7 +8,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from loadtest.failover_bench import num_ready, wait_for
 from loadtest.launch import Server, running_server
 
 
@@ -17,8 +16,6 @@ def mock_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serv
     """The server and its log (two mock workers, both ready)."""
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     with running_server(["--mock", "2"], log_path, ready_timeout_s=60) as server:
-        # /ready answers from the first ready worker on; the tests name both (mock-0, mock-1).
-        wait_for(lambda: num_ready(server.base_url) == 2, 60, "both workers ready")
         yield server, log_path
 
 
