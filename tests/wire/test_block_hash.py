@@ -24,6 +24,26 @@ def test_equal_hash_iff_equal_prefix(a: list[int], b: list[int]) -> None:
         assert (x == y) == (a[: (i + 1) * 4] == b[: (i + 1) * 4])
 
 
+@given(tokens, st.integers(0, 90))
+def test_an_answers_blocks_never_hash_as_a_prompts(token_ids: list[int], num_prompt: int) -> None:
+    """From the block that holds a request's first output token on, its chain parts from the same
+    tokens hashed as a prompt (the gateway's, a later request's); incremental equals one shot."""
+    as_prompt = hash_blocks(token_ids, 4)
+    with_outputs = hash_blocks(token_ids, 4, num_prompt_tokens=num_prompt)
+    for i, (x, y) in enumerate(zip(as_prompt, with_outputs, strict=True)):
+        assert (x == y) == ((i + 1) * 4 <= num_prompt)
+    if len(with_outputs) >= 2:
+        rest = hash_blocks(token_ids, 4, parent=with_outputs[0], start_block=1, num_prompt_tokens=num_prompt)
+        assert rest == with_outputs[1:]
+
+
+@given(tokens, st.integers(0, 90), st.integers(0, 90))
+def test_where_the_outputs_begin_is_part_of_the_chain(token_ids: list[int], a: int, b: int) -> None:
+    ha, hb = hash_blocks(token_ids, 4, num_prompt_tokens=a), hash_blocks(token_ids, 4, num_prompt_tokens=b)
+    for i, (x, y) in enumerate(zip(ha, hb, strict=True)):
+        assert (x == y) == (a == b or (i + 1) * 4 <= min(a, b))
+
+
 def test_salt_separates_chains_and_hashes_are_stable() -> None:
     block = list(range(16))
     assert hash_block(None, block, "t1") != hash_block(None, block, "t2")

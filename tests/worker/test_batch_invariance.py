@@ -97,3 +97,37 @@ def test_a_seeded_answer_is_the_same_bits_alone_and_in_a_crowd(weights: str) -> 
     assert answer(budget, OTHERS, one_a_step=True) == alone
     small = Engine.from_config(dataclasses.replace(config, enable_prefix_caching=False, num_kv_blocks=NUM_KV))
     assert answer(small, OTHERS, one_a_step=False, preempted=True) == alone  # recomputed, the same
+
+
+@pytest.mark.parametrize("weights", ["q4_1", "float32"])
+def test_a_follow_up_holding_a_cached_answer_is_the_same_bits_as_uncached(weights: str) -> None:
+    """A chat's next turn: the first answer's tokens are in the follow-up's prompt. Their K/V were
+    cached by decode rows, which attend alone; computed in the prompt they attend in tiles, with other
+    bits (the Q4_1 default's logprobs moved by ~0.002). So the follow-up hits the first prompt's
+    blocks only, and answers as on an engine that cached nothing."""
+    config = EngineConfig()
+    if weights == "float32":
+        config = dataclasses.replace(config, model=str(pull_default_model()), dtype="float32")
+    cached = Engine.from_config(config)
+    if cached.runner.decode_step is None:
+        pytest.skip("no fused C layer on this machine (the torch path is not batch-invariant)")
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def run(engine: Engine, prompt: list[int]) -> Answer:
+        request_id = engine.add_request(prompt, greedy)
+        got: Answer = []
+        while engine.has_unfinished():
+            for output in engine.step():
+                if output.request_id == request_id:
+                    got.extend(
+                        (t, lp.top) for t, lp in zip(output.new_token_ids, output.logprobs, strict=True)
+                    )
+        return got
+
+    first = cached.apply_chat_template([{"role": "user", "content": TARGET}])
+    follow_up = [*first, *(token for token, _ in run(cached, first)), *first[-8:]]
+    hits_before = cached.kv_cache.num_prefix_hits
+    again = run(cached, follow_up)
+    fresh = Engine.from_config(dataclasses.replace(config, enable_prefix_caching=False))
+    assert again == run(fresh, follow_up)
+    assert 0 < cached.kv_cache.num_prefix_hits - hits_before <= len(first)

@@ -141,7 +141,29 @@ def test_preempted_request_resumes_from_its_cached_blocks() -> None:
     out = run_step(scheduler)
     # 19 tokens (18 prompt + 1 output): 4 full blocks were cached, only the tail is recomputed.
     assert out.num_scheduled_tokens == {"a": 3}
-    assert request.num_preemptions == 1
+    for _ in range(4):  # to 24 tokens, 23 computed: 5 full blocks, the fifth holding its first outputs
+        run_step(scheduler)
+    scheduler._preempt(request, SchedulerOutput())
+    scheduler.running.remove(request)
+    out = run_step(scheduler)
+    # The fifth is a hit too (its outputs' chain is marked, and it is theirs): 4 tokens, not 8.
+    assert out.num_scheduled_tokens == {"a": 4}
+    assert request.num_preemptions == 2
+
+
+def test_a_later_prompt_holding_an_answer_hits_only_the_answers_prompt_blocks() -> None:
+    """An answer's K/V were computed as decode rows: a follow-up whose prompt holds the answer computes
+    it again, as prompt rows (the same bits whether its history was cached or not)."""
+    scheduler = make_scheduler(budget=64)
+    first = make_request("a", 18, max_tokens=12)
+    scheduler.add(first)
+    while scheduler.num_unfinished:
+        run_step(scheduler)
+    follow = Request("b", [*first.all_token_ids, 7, 7, 7], SamplingParams(max_tokens=1), arrival_time=1)
+    scheduler.add(follow)
+    out = run_step(scheduler)
+    # 33 prompt tokens: the 4 full blocks of "a"'s prompt were hits (its answer's 3 more were not).
+    assert out.num_scheduled_tokens == {"b": 33 - 16}
 
 
 def test_request_short_of_a_block_preempts_itself_when_it_is_the_newest() -> None:

@@ -48,11 +48,19 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def update_block_hashes(self, request: Request) -> None:
-        """Extend ``request.block_hashes`` over every full block of its tokens."""
+        """Extend ``request.block_hashes`` over every full block of its tokens (its outputs' blocks
+        marked: wire/block_hash.py)."""
         start = len(request.block_hashes)
         parent = request.block_hashes[-1] if start else None
         request.block_hashes.extend(
-            hash_blocks(request.all_token_ids, self.block_size, request.cache_salt, parent, start)
+            hash_blocks(
+                request.all_token_ids,
+                self.block_size,
+                request.cache_salt,
+                parent,
+                start,
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
         )
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
