@@ -6,14 +6,14 @@
 
 Failover continuation (``Submit.resumed_token_ids``): the tokens the client has already seen are
 appended to the prompt the engine runs and ``max_tokens`` is reduced by their count, so the engine
-continues exactly where the old worker stopped (the model sees the same context) and emits only what
-follows them. The request's detokenizer is then fed those tokens one at a time, as the old worker fed
-its own, and what it yields is thrown away (the client has it): it ends in the old worker's state, so
-a character split across the resume point, text held back as a possible stop string, and a stop string
-straddling the resume point all come out exactly as without the failover. Usage is reported as the
-client sees it: those tokens count as completion tokens, not prompt tokens. One approximation,
-documented rather than hidden: presence/frequency penalties see the resumed tokens as prompt (the
-repetition penalty, which covers prompt and output, is exact).
+continues exactly where the old worker stopped (the model sees the same context, those tokens computed
+as the output rows they were: ``Request.outputs_from``) and emits only what follows them. The request's
+detokenizer is then fed those tokens one at a time, as the old worker fed its own, and what it yields is
+thrown away (the client has it): it ends in the old worker's state, so a character split across the
+resume point, text held back as a possible stop string, and a stop string straddling the resume point
+all come out exactly as without the failover. Usage is reported as the client sees it: those tokens
+count as completion tokens, not prompt tokens, and the presence and frequency penalties see them as
+output, as the old worker's did.
 
 Prefix-cache events: after every step that changed the prefix cache, one ``KVEvents`` (numbered
 from 0) with the block hashes stored and evicted; ``ResyncKV`` is answered with a ``KVSnapshot`` of

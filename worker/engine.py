@@ -138,6 +138,7 @@ class Engine:
             cache_salt=cache_salt,
             tenant=tenant,
             priority=priority,
+            num_resumed=len(seen_token_ids),
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
@@ -264,7 +265,7 @@ class Engine:
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
         states = [self._states[r.request_id] for r in requests]
         rows = [
-            SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, s.generator)
+            SamplingRow(r.sampling_params, *_penalty_tokens(r), s.generator)
             for r, s in zip(requests, states, strict=True)
         ]
         constrained = [(row, s.matcher) for row, s in zip(rows, states, strict=True) if s.matcher is not None]
@@ -372,3 +373,11 @@ def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:
 
 
 __all__ = ["Engine", "EngineConfig", "ModelConfig"]
+
+
+def _penalty_tokens(request: Request) -> tuple[Sequence[int], Sequence[int]]:
+    """The prompt and the output a request's penalties see: a failover's resumed tokens are output."""
+    if not request.num_resumed:
+        return request.prompt_token_ids, request.output_token_ids
+    tokens, cut = request.all_token_ids, request.outputs_from
+    return tokens[:cut], tokens[cut:]

@@ -77,8 +77,9 @@ class DecodeStep(Protocol):
 
     ``takes_prefill``: whether the rows may be prefill tokens too (each with its own context length:
     position + 1, and its sequence's block table; the K/V of every row are written before any row
-    attends), or only one decode token per sequence. ``in_prompt``: each row's token is its prompt's
-    (else an output token: a decode, or one recomputed after a preemption)."""
+    attends), or only one decode token per sequence. ``in_prompt``: each row's token is the client's
+    prompt's (else an output token: a decode, one recomputed after a preemption, or one another
+    worker generated before a failover: ``Request.outputs_from``)."""
 
     takes_prefill: bool
 
@@ -137,7 +138,7 @@ class ModelRunner:
         row_lens = step.seq_lens if decode_only else [p + 1 for p in step.positions]
         if fast is not None and (decode_only or fast.takes_prefill):
             rows = [r for r in out.scheduled for _ in range(out.num_scheduled_tokens[r.request_id])]
-            in_prompt = [p < r.num_prompt_tokens for r, p in zip(rows, step.positions, strict=True)]
+            in_prompt = [p < r.outputs_from for r, p in zip(rows, step.positions, strict=True)]
             if fast.can_run(row_lens, in_prompt):
                 block_rows = [r.block_ids for r in rows]
                 hidden = fast.run(

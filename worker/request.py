@@ -57,6 +57,9 @@ class Request:
     tenant: str | None = None
     priority: int = 0  # within the tier, lower first (vLLM's ``priority``)
     arrival_time: float = field(default_factory=time.monotonic)
+    # The prompt's last tokens that another worker generated (a failover's continuation): computed
+    # and cached as the output tokens they were (``outputs_from``), so the answer goes on in the same bits.
+    num_resumed: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -78,6 +81,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def outputs_from(self) -> int:
+        """The position of the first token a model generated (here, or resumed): the tokens before it
+        are the client's prompt, computed as prompt rows; from it on, as output rows."""
+        return len(self.prompt_token_ids) - self.num_resumed
 
     @property
     def num_tokens(self) -> int:

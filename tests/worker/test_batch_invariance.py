@@ -13,6 +13,7 @@ was cut.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import pytest
 
@@ -79,12 +80,8 @@ def test_a_seeded_answer_is_the_same_bits_alone_and_in_a_crowd(weights: str) -> 
     (its prompt in one step with theirs, in slices where the build slices), its prompt's cached blocks
     reused (only the prompt's tail computed), in an engine whose token budget cuts its prompt, and
     preempted by a cache too small for the crowd (its output tokens recomputed)."""
-    config = EngineConfig()
-    if weights == "float32":
-        config = dataclasses.replace(config, model=str(pull_default_model()), dtype="float32")
-    engine = Engine.from_config(dataclasses.replace(config, enable_prefix_caching=False))
-    if engine.runner.decode_step is None:
-        pytest.skip("no fused C layer on this machine (the torch path is not batch-invariant)")
+    config = engine_config(weights)
+    engine = fused_engine(dataclasses.replace(config, enable_prefix_caching=False))
     alone = answer(engine, [], one_a_step=False)
     assert len(alone) == SAMPLED.max_tokens
     assert answer(engine, OTHERS, one_a_step=True) == alone
@@ -99,35 +96,68 @@ def test_a_seeded_answer_is_the_same_bits_alone_and_in_a_crowd(weights: str) -> 
     assert answer(small, OTHERS, one_a_step=False, preempted=True) == alone  # recomputed, the same
 
 
+def engine_config(weights: str) -> EngineConfig:
+    config = EngineConfig()
+    if weights == "float32":
+        config = dataclasses.replace(config, model=str(pull_default_model()), dtype="float32")
+    return config
+
+
+def fused_engine(config: EngineConfig) -> Engine:
+    engine = Engine.from_config(config)
+    if engine.runner.decode_step is None:
+        pytest.skip("no fused C layer on this machine (the torch path is not batch-invariant)")
+    return engine
+
+
+def greedy(
+    engine: Engine, prompt: list[int], max_tokens: int, seen: Sequence[int] = (), penalty: float = 0.0
+) -> Answer:
+    """A greedy answer's tokens with their top logprobs (``seen``: as the engine's add_request;
+    ``penalty``: presence and frequency)."""
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=3,
+        presence_penalty=penalty,
+        frequency_penalty=penalty,
+    )
+    request_id = engine.add_request(prompt, params, seen_token_ids=seen)
+    got: Answer = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.request_id == request_id:
+                got.extend((t, lp.top) for t, lp in zip(output.new_token_ids, output.logprobs, strict=True))
+    return got
+
+
 @pytest.mark.parametrize("weights", ["q4_1", "float32"])
 def test_a_follow_up_holding_a_cached_answer_is_the_same_bits_as_uncached(weights: str) -> None:
     """A chat's next turn: the first answer's tokens are in the follow-up's prompt. Their K/V were
     cached by decode rows, which attend alone; computed in the prompt they attend in tiles, with other
     bits (the Q4_1 default's logprobs moved by ~0.002). So the follow-up hits the first prompt's
     blocks only, and answers as on an engine that cached nothing."""
-    config = EngineConfig()
-    if weights == "float32":
-        config = dataclasses.replace(config, model=str(pull_default_model()), dtype="float32")
-    cached = Engine.from_config(config)
-    if cached.runner.decode_step is None:
-        pytest.skip("no fused C layer on this machine (the torch path is not batch-invariant)")
-    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=3)
-
-    def run(engine: Engine, prompt: list[int]) -> Answer:
-        request_id = engine.add_request(prompt, greedy)
-        got: Answer = []
-        while engine.has_unfinished():
-            for output in engine.step():
-                if output.request_id == request_id:
-                    got.extend(
-                        (t, lp.top) for t, lp in zip(output.new_token_ids, output.logprobs, strict=True)
-                    )
-        return got
-
+    config = engine_config(weights)
+    cached = fused_engine(config)
     first = cached.apply_chat_template([{"role": "user", "content": TARGET}])
-    follow_up = [*first, *(token for token, _ in run(cached, first)), *first[-8:]]
+    follow_up = [*first, *(token for token, _ in greedy(cached, first, 32)), *first[-8:]]
     hits_before = cached.kv_cache.num_prefix_hits
-    again = run(cached, follow_up)
+    again = greedy(cached, follow_up, 32)
     fresh = Engine.from_config(dataclasses.replace(config, enable_prefix_caching=False))
-    assert again == run(fresh, follow_up)
+    assert again == greedy(fresh, follow_up, 32)
     assert 0 < cached.kv_cache.num_prefix_hits - hits_before <= len(first)
+
+
+@pytest.mark.parametrize("weights", ["q4_1", "float32"])
+def test_a_failover_continuation_is_the_same_bits(weights: str) -> None:
+    """A worker that takes over a request gets the tokens the client has seen appended to the prompt
+    (``seen_token_ids``); it computes them as the output rows they were on the first worker (prompt
+    rows would give other bits), and its penalties count them as output, so the rest of the answer is
+    what the first worker would have sent."""
+    config = dataclasses.replace(engine_config(weights), enable_prefix_caching=False)
+    first = fused_engine(config)
+    prompt = first.apply_chat_template([{"role": "user", "content": TARGET}])
+    whole = greedy(first, prompt, 40, penalty=0.4)
+    seen = [token for token, _ in whole[:20]]
+    assert greedy(Engine.from_config(config), [*prompt, *seen], 20, seen, penalty=0.4) == whole[20:]

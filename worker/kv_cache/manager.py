@@ -59,7 +59,7 @@ class KVCacheManager:
                 request.cache_salt,
                 parent,
                 start,
-                num_prompt_tokens=request.num_prompt_tokens,
+                num_prompt_tokens=request.outputs_from,
             )
         )
 
