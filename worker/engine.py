@@ -372,12 +372,12 @@ def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:
     return frozenset() if eos is None else frozenset([eos])
 
 
-__all__ = ["Engine", "EngineConfig", "ModelConfig"]
-
-
 def _penalty_tokens(request: Request) -> tuple[Sequence[int], Sequence[int]]:
     """The prompt and the output a request's penalties see: a failover's resumed tokens are output."""
     if not request.num_resumed:
         return request.prompt_token_ids, request.output_token_ids
     tokens, cut = request.all_token_ids, request.outputs_from
     return tokens[:cut], tokens[cut:]
+
+
+__all__ = ["Engine", "EngineConfig", "ModelConfig"]
