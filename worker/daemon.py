@@ -11,9 +11,9 @@ as the output rows they were: ``Request.outputs_from``) and emits only what foll
 detokenizer is then fed those tokens one at a time, as the old worker fed its own, and what it yields is
 thrown away (the client has it): it ends in the old worker's state, so a character split across the
 resume point, text held back as a possible stop string, and a stop string straddling the resume point
-all come out exactly as without the failover. Usage is reported as the client sees it: those tokens
-count as completion tokens, not prompt tokens, and the presence and frequency penalties see them as
-output, as the old worker's did.
+all come out exactly as without the failover. The engine counts them as the client does: as
+completion tokens in the usage, not prompt tokens, and as output for the presence and frequency
+penalties, as the old worker's did.
 
 Prefix-cache events: after every step that changed the prefix cache, one ``KVEvents`` (numbered
 from 0) with the block hashes stored and evicted; ``ResyncKV`` is answered with a ``KVSnapshot`` of
@@ -85,7 +85,6 @@ class _Tracked:
     """What the daemon remembers per running request to build its deltas."""
 
     epoch: int
-    num_resumed: int  # tokens appended to the prompt from Submit.resumed_token_ids
     link: int  # the gateway that sent its Submit: its tokens go there, only its Abort counts
 
 
@@ -284,7 +283,7 @@ class WorkerDaemon:
                 tenant=submit.tenant,
                 priority=submit.priority,
                 seen_token_ids=submit.resumed_token_ids,
-                owner=_Tracked(submit.epoch, num_resumed, link),
+                owner=_Tracked(submit.epoch, link),
                 arrival_time=monotonic_arrival(submit.arrival_time),
             )
         except InvalidRequestError as exc:
@@ -338,9 +337,7 @@ class WorkerDaemon:
             tracked = output.owner
             if not isinstance(tracked, _Tracked):
                 continue  # not one the daemon submitted: nobody to send it to
-            by_link.setdefault(tracked.link, []).append(
-                token_delta(output, tracked.epoch, tracked.num_resumed)
-            )
+            by_link.setdefault(tracked.link, []).append(token_delta(output, tracked.epoch))
         for link, deltas in by_link.items():  # each gateway gets the tokens of its own requests
             for i in range(0, len(deltas), MAX_DELTAS_PER_BATCH):
                 batch = deltas[i : i + MAX_DELTAS_PER_BATCH]

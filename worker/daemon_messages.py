@@ -23,11 +23,9 @@ def model_name_of(model: str) -> str:
     return DEFAULT_MODEL if model in DEFAULT_MODEL_ALIASES + QUANTIZED_DEFAULT_ALIASES else Path(model).name
 
 
-def token_delta(output: RequestOutput, epoch: int, num_resumed: int) -> TokenDelta:
-    """A step's output for one request as the gateway sees it. ``num_resumed``: tokens a failover
-    appended to the prompt (``Submit.resumed_token_ids``), which the client counts as completion
-    tokens, not prompt tokens."""
-    num_prompt = max(0, output.num_prompt_tokens - num_resumed)
+def token_delta(output: RequestOutput, epoch: int) -> TokenDelta:
+    """A step's output for one request as the gateway sees it (its usage counted as the client does:
+    ``RequestOutput``)."""
     return TokenDelta(
         request_id=output.request_id,
         epoch=epoch,
@@ -40,9 +38,9 @@ def token_delta(output: RequestOutput, epoch: int, num_resumed: int) -> TokenDel
         finish_reason=output.finish_reason.value if output.finish_reason is not None else None,
         error=output.error[:MAX_MESSAGE_CHARS] if output.error is not None else None,
         usage=Usage(
-            prompt_tokens=num_prompt,
-            completion_tokens=output.num_output_tokens + num_resumed,
-            cached_tokens=min(output.num_cached_tokens, num_prompt),
+            prompt_tokens=output.num_prompt_tokens,
+            completion_tokens=output.num_output_tokens,
+            cached_tokens=output.num_cached_tokens,
         ),
     )
 

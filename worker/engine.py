@@ -146,15 +146,14 @@ class Engine:
             self.scheduler.check(request)
         except ValueError as exc:
             raise InvalidRequestError("max_tokens", str(exc)) from None
-        num_seen = len(seen_token_ids)
-        if num_seen and (num_seen >= len(prompt_ids) or list(seen_token_ids) != prompt_ids[-num_seen:]):
+        if request.num_resumed and (
+            request.outputs_from < 1 or request.resumed_token_ids != list(seen_token_ids)
+        ):
             raise InvalidRequestError(
                 "resumed_token_ids", "must be the tail of the prompt, after at least one token"
             )
         generator = make_generator(params.seed, self.runner.device)
-        self._states[request_id] = RequestState.begin(
-            request, self.tokenizer, seen_token_ids, generator, owner
-        )
+        self._states[request_id] = RequestState.begin(request, self.tokenizer, generator, owner)
         if params.structured is None:
             self.scheduler.add(request)
         else:
@@ -171,8 +170,7 @@ class Engine:
             if isinstance(matcher, GrammarError):
                 failed.append(self._finish(request, FinishReason.ERROR, error=str(matcher)))
                 continue
-            num_seen = state.num_seen
-            if num_seen and not all(matcher.accept(t) for t in request.prompt_token_ids[-num_seen:]):
+            if not all(matcher.accept(t) for t in request.resumed_token_ids):
                 failed.append(self._finish(request, FinishReason.ERROR, error="structured output: the "
                                            "resumed tokens do not match the grammar"))  # fmt: skip
                 continue
@@ -210,11 +208,12 @@ class Engine:
         request = self.scheduler.requests.get(request_id)
         self.observer.on_abort(request_id)
         self.grammars.cancel(request_id)
-        if request is None:
-            state = self._states.pop(request_id, None)
-            owner = None if state is None else state.owner
-            return RequestOutput(request_id, [], "", reason, error=error, owner=owner)
-        return self._finish(request, reason, error)
+        if request is not None:
+            return self._finish(request, reason, error)
+        state = self._states.pop(request_id, None)  # its grammar still compiling, or unknown
+        if state is None:
+            return RequestOutput(request_id, [], "", reason, error=error)
+        return _output(state.request, state.owner, reason=reason, error=error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self.grammars)
@@ -287,16 +286,13 @@ class Engine:
         effect = state.take(token_id, self.max_model_len)
         if effect.error is not None:
             return self._finish(request, FinishReason.ERROR, error=effect.error)
-        output = RequestOutput(
-            request.request_id,
+        output = _output(
+            request,
+            state.owner,
             [token_id],
             effect.text,
             effect.reason,
             [logprobs] if logprobs is not None else [],
-            request.num_prompt_tokens,
-            request.num_output_tokens,
-            request.num_cached_tokens,
-            owner=state.owner,
         )
         if effect.reason is not None:
             self.scheduler.finish(request.request_id, effect.reason)
@@ -306,18 +302,7 @@ class Engine:
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self.scheduler.finish(request.request_id, reason)
         state = self._states.pop(request.request_id, None)
-        return RequestOutput(
-            request.request_id,
-            [],
-            "",
-            reason,
-            [],
-            request.num_prompt_tokens,
-            request.num_output_tokens,
-            request.num_cached_tokens,
-            error,
-            None if state is None else state.owner,
-        )
+        return _output(request, None if state is None else state.owner, reason=reason, error=error)
 
     # ---- in-process convenience --------------------------------------------------------------
 
@@ -370,6 +355,32 @@ def _reason(output: RequestOutput) -> FinishReason:
 def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     return frozenset() if eos is None else frozenset([eos])
+
+
+def _output(
+    request: Request,
+    owner: object,
+    new_token_ids: list[int] | None = None,
+    text: str = "",
+    reason: FinishReason | None = None,
+    logprobs: list[TokenLogprobs] | None = None,
+    error: str | None = None,
+) -> RequestOutput:
+    """One step's output for ``request``, its usage as the client counts it: a failover's resumed
+    tokens are output the client already had, not prompt."""
+    num_prompt = request.outputs_from
+    return RequestOutput(
+        request.request_id,
+        new_token_ids if new_token_ids is not None else [],
+        text,
+        reason,
+        logprobs if logprobs is not None else [],
+        num_prompt,
+        request.num_output_tokens + request.num_resumed,
+        min(request.num_cached_tokens, num_prompt),
+        error,
+        owner,
+    )
 
 
 def _penalty_tokens(request: Request) -> tuple[Sequence[int], Sequence[int]]:

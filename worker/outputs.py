@@ -17,9 +17,11 @@ class RequestOutput:
     text_delta: str
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Usage as the client counts it: a request resumed after a failover (``Request.num_resumed``)
+    # counts the tokens another worker generated as output, not prompt.
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt tokens, those served from the prefix cache
     error: str | None = None
     owner: object = None  # what the caller attached at add_request (the daemon: its gateway link)
 

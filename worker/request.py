@@ -89,6 +89,11 @@ class Request:
         return len(self.prompt_token_ids) - self.num_resumed
 
     @property
+    def resumed_token_ids(self) -> list[int]:
+        """The prompt's tail another worker generated (empty unless resumed after a failover)."""
+        return self.prompt_token_ids[self.outputs_from :]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 

@@ -7,7 +7,6 @@ the loop reads as schedule → execute → sample → ``take`` each token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,30 +34,29 @@ class RequestState:
     generator: torch.Generator | None
     owner: object = None  # the caller's, opaque here (the daemon: which gateway, which epoch)
     matcher: Matcher | None = None  # a structured output's place in its grammar
-    num_seen: int = 0  # prompt tokens the client already had as output (a resumed request)
 
     @classmethod
     def begin(
         cls,
         request: Request,
         tokenizer: Any,
-        seen_token_ids: Sequence[int],
         generator: torch.Generator | None,
         owner: object,
     ) -> RequestState:
-        """The state of a new request. ``seen_token_ids`` (the prompt's tail, already streamed before a
-        failover) are fed to the detokenizer token by token as the loop would have, so held-back partial
-        characters and stop-string prefixes come out as the old worker would have sent them."""
-        prompt_ids, params = request.prompt_token_ids, request.sampling_params
+        """The state of a new request. A resumed request's tokens from another worker
+        (``Request.resumed_token_ids``, already streamed before a failover) are fed to the detokenizer
+        token by token as the loop would have, so held-back partial characters and stop-string prefixes
+        come out as the old worker would have sent them."""
+        params = request.sampling_params
         detokenizer = IncrementalDetokenizer(
             tokenizer,
-            list(prompt_ids[: len(prompt_ids) - len(seen_token_ids)]),
+            request.prompt_token_ids[: request.outputs_from],
             stop=params.stop,
             skip_special_tokens=params.skip_special_tokens,
         )
-        for token_id in seen_token_ids:
+        for token_id in request.resumed_token_ids:
             detokenizer.update([token_id])
-        return cls(request, detokenizer, generator, owner, num_seen=len(seen_token_ids))
+        return cls(request, detokenizer, generator, owner)
 
     def take(self, token_id: int, max_model_len: int) -> TokenEffect:
         """Append a sampled token and apply the stop rules: an EOS or stop token (counted, never shown),

@@ -126,6 +126,35 @@ def test_repeated_prompt_reports_cached_tokens_and_logprobs(engine: Engine) -> N
     )
 
 
+def test_a_resumed_request_counts_the_resumed_tokens_as_output(engine: Engine) -> None:
+    """A failover's continuation (the client has the first 5 tokens): the engine goes on to the token
+    where the first run went, and its usage is the client's, those 5 tokens output, not prompt (also
+    when the request ends early)."""
+    prompt = chat(engine, "Name three primary colours.")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    (first,) = engine.generate([prompt], params)
+    seen = first.token_ids[:5]
+    rest = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(prompt + seen, rest, seen_token_ids=first.token_ids[1:6])
+    assert info.value.field == "resumed_token_ids"
+
+    resumed = engine.add_request(prompt + seen, rest, request_id="resumed", seen_token_ids=seen)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.request_id == resumed]
+    assert [t for o in outputs for t in o.new_token_ids] == first.token_ids[5:]
+    last = outputs[-1]
+    assert (last.num_prompt_tokens, last.num_output_tokens) == (len(prompt), 12)
+    assert 0 < last.num_cached_tokens <= len(prompt)  # its own blocks cached, counted up to the prompt
+
+    ended = engine.add_request(prompt + seen, rest, request_id="ended", seen_token_ids=seen)
+    engine.step()
+    out = engine.end(ended, FinishReason.ABORT)
+    assert (out.num_prompt_tokens, out.num_output_tokens) == (len(prompt), 5 + 1)
+    engine.scheduler.check_integrity()
+
+
 def test_cli_generate_answers() -> None:
     pull_default_model()
     out = subprocess.run(

@@ -16,8 +16,8 @@ def state(params: SamplingParams, prompt: str = "Hello", seen: str = "") -> Requ
     seen_ids = tokenizer.encode(seen, add_special_tokens=False)  # the prompt's tail, already streamed
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False) + seen_ids
     eos = frozenset() if params.ignore_eos else frozenset([EOS])
-    request = Request("r", prompt_ids, params, eos_token_ids=eos)
-    return RequestState.begin(request, tokenizer, seen_ids, None, owner="gateway-a")
+    request = Request("r", prompt_ids, params, eos_token_ids=eos, num_resumed=len(seen_ids))
+    return RequestState.begin(request, tokenizer, None, owner="gateway-a")
 
 
 def feed(s: RequestState, text: str, max_model_len: int = 1000) -> list[tuple[str, FinishReason | None]]:
@@ -71,4 +71,4 @@ def test_a_resumed_request_shows_only_what_the_client_has_not_seen() -> None:
     resumed = state(SamplingParams(max_tokens=50, temperature=0.0), seen=" the")
     rest = "".join(text for text, _ in feed(resumed, " quick brown"))
     assert whole == " the" + rest
-    assert resumed.num_seen > 0 and resumed.owner == "gateway-a"
+    assert resumed.request.resumed_token_ids and resumed.owner == "gateway-a"
