@@ -6,15 +6,15 @@ must pick, greedily, exactly the tokens the dead worker would have decoded one b
 transcript is compared, byte for byte, with the no-failure transcript of the same prompt taken from the
 same server before any kill; ``usage.completion_tokens`` and the finish must be the reference's too.
 
-Why ``dtype = "float32"``: a resumed request computes its next token from a prefill (many query rows,
-attention over the chunk in one SDPA call) where the original computed it from a decode step (one row
-against the paged cache); the sums run in another order. Measured with the engine in-process: in
-float32 the top-5 log-probabilities of the two paths differ by at most 1.4e-5, and resuming each of 4
-chat prompts after every third of 48 greedy tokens (64 resume points) gave the reference exactly,
-while the smallest top-1/top-2 gap on those paths was 5e-3. In bfloat16 they differ by up to 0.27,
-and 24 of the 64 resume points diverged, at near-ties (gaps of 0 to 0.25); even batched vs alone
-differed. So the comparison here is exact, not tolerant, and the pool runs float32 (the model is stored
-in float32). The same test with bfloat16 fails on most trials.
+Why exact: the surviving worker computes the resumed tokens as the output rows they were
+(``Request.outputs_from``: decode rows, their blocks hashed as output), and the fused CPU layer's steps
+are batch-invariant (docs/kernels.md), so its continuation is the same bits as the dead worker's, in
+the default weights (the embedded Q4_1 GGUF served natively) as in float32. Before that (resumed tokens
+computed as prompt rows, in tiles) float32 agreed at 64 of 64 measured resume points only because its
+top-1/top-2 gaps were wider than the 1.4e-5 the two orders of summation differed by; bfloat16 diverged
+at 24 of 64. So the comparison is exact, not tolerant, and the pool serves the Q4_1 GGUF (``default-q4_1``,
+as ``make serve`` does). Not bfloat16: its steps past 32 rows with a prompt's rows in them leave the
+fused layer (docs/kernels.md), and a pool ``path = "default"`` serves bfloat16 on a CPU with it.
 
 Each trial: 4 streams of 4 of the reference prompts (seeded choice), a random one of them watched; after
 a random number of its chunks (tokens are flowing on both workers), SIGKILL a worker that is running
@@ -51,7 +51,7 @@ from loadtest.failover_bench import (
 )
 from loadtest.launch import log_tail, running_server
 from wire.config import ServerConfig, load_config
-from worker.models.store import pull_default_model
+from worker.models.store import pull_default_model, resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -61,20 +61,21 @@ SEED = int(os.environ.get("TIERSERVE_FAILOVER_SEED", "6"))
 MODEL = "smollm2"  # the pool's served name
 NUM_WORKERS = 2
 STREAMS_PER_TRIAL = 4  # least-loaded routing puts two on each worker
-MAX_TOKENS = 40
+# Long enough that, at ~10 ms a token, no stream ends before the watched one reaches its kill point
+# (at most a quarter of the way): at 40 tokens a stream once did.
+MAX_TOKENS = 96
 # Two workers of two torch threads each on two busy cores spend their steps in OpenMP barriers waiting
 # for each other's threads (4 streams: 8 s with one thread each, 60-120 s with two): one thread each.
 WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 HEARTBEAT_TIMEOUT_S = 2.0  # gateway.heartbeat_timeout_s for this server (workers heartbeat every 0.5 s)
-READY_TIMEOUT_S = 300.0  # workers importing torch and loading 540 MB of weights on a busy 2-core box
+READY_TIMEOUT_S = 300.0  # workers importing torch and packing the weights on a busy 2-core box
 CONFIG = f"""
 [gateway]
 heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}
 
 [[models.pools]]
 name = "{MODEL}"
-path = "default"
-dtype = "float32"
+path = "default-q4_1"
 num_workers = {NUM_WORKERS}
 kv_cache_gb = 0.25
 max_num_seqs = 8
@@ -114,7 +115,8 @@ class SmolFleet(Fleet):
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmolFleet]:
-    model_path = pull_default_model()
+    pull_default_model()
+    model_path = resolve_model("default-q4_1")  # the folder serve gives its workers
     tmp = tmp_path_factory.mktemp("failover-smollm2")
     config_path = tmp / "tierserve.toml"
     config_path.write_text(CONFIG)
@@ -146,8 +148,8 @@ def _client() -> httpx.AsyncClient:
 
 
 async def _references(base_url: str) -> dict[str, StreamResult]:
-    """Every prompt's no-failure stream, all at once on the two workers (float32: batching does not
-    change greedy output, checked by tests/worker/test_engine_smollm2.py)."""
+    """Every prompt's no-failure stream, all at once on the two workers (batching does not change a
+    bit of the output: tests/worker/test_batch_invariance.py)."""
     async with _client() as http:
         results = await asyncio.gather(
             *(stream_completion(http, base_url, p, MAX_TOKENS, model=MODEL) for p in PROMPTS)
@@ -217,7 +219,7 @@ def test_kill_9_a_smollm2_worker_mid_stream_keeps_every_greedy_transcript_exact(
     async def trial(i: int) -> str:
         prompts = rng.sample(PROMPTS, STREAMS_PER_TRIAL)
         watched = rng.choice(prompts)
-        kill_after = rng.randint(2, MAX_TOKENS // 2)  # chunks of the watched stream: well before its end
+        kill_after = rng.randint(2, MAX_TOKENS // 4)  # chunks of the watched stream: well before its end
         pick = rng.random()  # drawn now, so the seed's later draws do not depend on what is running
         reached = asyncio.Event()
 
