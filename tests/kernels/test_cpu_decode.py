@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from kernels.cpu.decode import (
-    KERNELS,
     QUANT_KERNELS,
     DecodeLayerKernel,
     LayerArgs,
@@ -31,7 +30,6 @@ from tests.kernels.decode_cases import (
     as_the_runner_gives_it,
     fused_step,
     key_id,
-    load_build,
     skip_wide_bf16,
 )
 from tests.worker.test_models_tiny import _save_hf
@@ -44,17 +42,6 @@ from worker.models.loader import load_model
 from worker.models.quant import quant_isa, quantize_linears, set_activation_bits, use_quant_kernels
 
 pytestmark = [pytest.mark.isa, NEEDS_CC]
-
-
-@pytest.fixture(scope="module", params=list(KERNELS), ids=key_id)
-def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DecodeLayerKernel:
-    return load_build(request.param, tmp_path_factory.mktemp("kernels"))
-
-
-@pytest.fixture(scope="module")
-def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One build cache for the module: each build compiles once."""
-    return tmp_path_factory.mktemp("kernels")
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu.decode import KERNELS, QUANT_KERNELS, DecodeLayerKernel, load_quant_decode_kernel
+from kernels.cpu.decode import QUANT_KERNELS, DecodeLayerKernel, load_quant_decode_kernel
 from tests.kernels.cc import NEEDS_CC
-from tests.kernels.decode_cases import BLOCK_SIZE, NUM_BLOCKS, fused_step, key_id, load_build, skip_wide_bf16
+from tests.kernels.decode_cases import BLOCK_SIZE, NUM_BLOCKS, fused_step, key_id, skip_wide_bf16
 from tests.worker.test_models_tiny import _save_hf
 from worker.cpu_isa import probe
 from worker.models.cpu_decode import CpuDecodeStep
@@ -23,17 +23,6 @@ from worker.models.loader import load_model
 from worker.models.quant import quant_isa, quantize_linears, use_quant_kernels
 
 pytestmark = [pytest.mark.isa, NEEDS_CC]
-
-
-@pytest.fixture(scope="module", params=list(KERNELS), ids=key_id)
-def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DecodeLayerKernel:
-    return load_build(request.param, tmp_path_factory.mktemp("kernels"))
-
-
-@pytest.fixture(scope="module")
-def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One build cache for the module: each build compiles once."""
-    return tmp_path_factory.mktemp("kernels")
 
 
 def _rows_out(
