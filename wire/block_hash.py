@@ -63,9 +63,10 @@ def hash_blocks(
     """
     hashes: list[BlockHash] = []
     num_full = len(token_ids) // block_size
-    first_output = -1 if num_prompt_tokens is None else num_prompt_tokens  # a position, or none
+    # (block, offset in it) of the first output token
+    marked = None if num_prompt_tokens is None else divmod(num_prompt_tokens, block_size)
     for i in range(start_block, num_full):
-        mark = first_output - i * block_size if i == first_output // block_size else None
+        mark = marked[1] if marked is not None and i == marked[0] else None
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt, mark)
         hashes.append(parent)
     return hashes
