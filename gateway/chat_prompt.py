@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway import tools
-from gateway.openai_requests import ChatMessage
+from gateway.chat_messages import ChatMessage
 from gateway.tools import ToolSpec
 
 __all__ = ["chat_prompt", "template_messages"]

@@ -9,61 +9,29 @@ fields accepted with no effect on the answer: ``user``, ``metadata``, ``store: f
 deprecated ``functions`` and ``function_call``, is refused by name; so is an unknown key of
 ``structured_outputs`` or ``response_format``. Inside the messages, tools and ``stream_options``,
 keys the server does not read are let through (clients replay OpenAI's own response messages, with
-``refusal``, ``annotations`` and ``audio`` in them). Tools: gateway/tools.py. Ranges
-(temperature, top_p, penalties, ...) are checked once, by ``SamplingParams.validate``, on both sides
-of the wire.
+``refusal``, ``annotations`` and ``audio`` in them). Messages: gateway/chat_messages.py; tools:
+gateway/tools.py. Ranges (temperature, top_p, penalties, ...) are checked once, by
+``SamplingParams.validate``, on both sides of the wire.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 
 from gateway import tools
-from gateway.tools import NamedToolChoice, ToolCallIn, ToolDef, ToolSpec
+from gateway.chat_messages import ChatMessage, check_messages
+from gateway.tools import NamedToolChoice, ToolDef, ToolSpec
 from wire.errors import InvalidRequestError
 from wire.messages import MAX_PRIORITY
 from wire.sampling import SamplingParams
 from wire.structured import ANY_JSON_OBJECT, MAX_SPEC_BYTES, StructuredKind, StructuredOutput
 
-
-class TextPart(msgspec.Struct, kw_only=True):
-    type: str = "text"
-    text: str = ""
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
 # Known OpenAI fields not served: refused by name rather than dropped (a client that sends them relies
 # on them: an agent parsing calls must not get free text with a 200). ``tools`` replaces both.
 UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call")
-
-
-class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool message: the call it answers
-    name: str | None = None
-
-    def template_role(self) -> str:
-        """The role as chat templates know it: ``developer`` (OpenAI's newer name) is ``system``."""
-        return "system" if self.role == "developer" else self.role
-
-    def text(self) -> str:
-        """Content as one string: parts of type text joined (images and audio are not served)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        for part in self.content:
-            if part.type != "text":
-                raise InvalidRequestError(
-                    "messages", f"content parts of type {part.type!r} are not supported"
-                )
-        return "".join(part.text for part in self.content)
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -239,40 +207,6 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key!r}") from None
             pairs.append((token_id, float(value)))
         return tuple(pairs)
-
-
-def check_messages(messages: Sequence[ChatMessage]) -> None:
-    """Each message's role known (``messages[i].role`` named otherwise); only an assistant's message
-    carries calls; a tool message answers one of them (``tool_call_id``), as OpenAI's API has it: it
-    follows the assistant message with the call, only other answers between them."""
-    calls: list[str] = []  # the ids a tool message here may answer
-    for i, message in enumerate(messages):
-        if message.role not in ROLES:
-            raise InvalidRequestError(
-                f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {message.role!r}"
-            )
-        if message.tool_calls and message.role != "assistant":
-            raise InvalidRequestError(
-                f"messages[{i}].tool_calls", "only an assistant's message has tool calls"
-            )
-        if message.role == "tool":
-            _check_answer(i, message.tool_call_id, calls)
-        else:
-            calls = [call.id for call in message.tool_calls or ()]
-
-
-def _check_answer(i: int, call_id: str | None, calls: list[str]) -> None:
-    field = f"messages[{i}].tool_call_id"
-    if not call_id:
-        raise InvalidRequestError(field, "a tool message must name the call it answers")
-    if not calls:
-        raise InvalidRequestError(
-            field, "a tool message must follow an assistant message with tool_calls (or another answer)"
-        )
-    if call_id not in calls:
-        raise InvalidRequestError(
-            field, f"{call_id!r} is none of the calls before it ({', '.join(map(repr, calls))})"
-        )
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

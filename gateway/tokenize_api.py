@@ -17,9 +17,10 @@ import asyncio
 
 import msgspec
 
+from gateway.chat_messages import ChatMessage, check_messages
 from gateway.chat_prompt import chat_prompt
 from gateway.errors import APIError
-from gateway.openai_requests import ChatMessage, check_messages, decode_body
+from gateway.openai_requests import decode_body
 from gateway.state import Gateway
 from gateway.tools import ToolDef, tool_spec
 from wire.errors import InvalidRequestError

@@ -7,8 +7,8 @@ import llguidance
 import msgspec
 import pytest
 
+from gateway.chat_messages import ChatMessage
 from gateway.chat_prompt import template_messages
-from gateway.openai_requests import ChatMessage
 from gateway.tools import ToolDef, call_format, grammar, tool_spec
 from tests.gateway.tool_requests import CALL, CALL_2, spec
 from wire.byte_tokenizer import BYTE_OFFSET, EOS_ID, VOCAB_SIZE, hf_tokenizer_json
