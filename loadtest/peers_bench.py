@@ -3,8 +3,9 @@
     tierserve bench peers --json [--record] [--precision fp32]
     tierserve bench peers --check          each server starts and answers one 8-token request
 
-The peers are installed once into ``.cache/peers/`` (``peers_install``); a peer that cannot be
-installed or started is reported as such (its ratios null) and the bench goes on. Same model for all
+The peers are installed once into ``.cache/peers/`` (``peers_install``), the model pulled once (as
+``tierserve models pull`` does); a peer that cannot be installed or started is reported as such (its
+ratios null) and the bench goes on. Same model for all
 (our HF folder for tierserve and vLLM, the original GGUF's Q4_1 for llama.cpp), the same seeded
 requests through the same client (streamed chat, greedy, ``ignore_eos`` so each answer is exactly
 ``--output-tokens`` long), each server alone on the machine, one after the other:
@@ -242,6 +243,11 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     workdir = peers_install.PEERS_DIR / "runs" / time.strftime("%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True)
     progress(f"logs in {workdir}")
+    from worker.models import store  # lazy: imports torch
+
+    # Like the peers, the model is fetched on the first run: tierserve and vLLM serve its float folder,
+    # and the prompts are measured with its tokenizer.
+    store.pull_default_model(progress)
     caps = cpu_caps()
     level = peers_isa.peer_level(caps)
     if level is not None:
