@@ -10,8 +10,9 @@ A recorded block sits between two markers and holds the date, the machine and th
     <!-- bench:NAME:end -->
 
 Only the text between the markers changes. The first time, the block goes at the end of the section
-whose heading starts with ``## NAME`` (the prose written by hand above it stays), or, when there is no
-such section, into a new one at the end of the file.
+whose heading starts with ``## NAME`` (the prose written by hand above it stays), else of the section
+of the longest of NAME's dash-separated prefixes that has one (``peers-fp32-float-avx2`` into ``##
+peers``), or, when there is none, into a new section at the end of the file.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def recorded_block(figures: Mapping[str, object], when: datetime, where: str) ->
     return f"### Recorded {stamp} on {where}\n\n```json\n{{\n{body}\n}}\n```"
 
 
+def _section_heading(markdown: str, name: str) -> re.Match[str] | None:
+    """The ``## `` heading of ``name``'s section, else of its longest dash-separated prefix's."""
+    parts = name.split("-")
+    for n in range(len(parts), 0, -1):
+        prefix = re.escape("-".join(parts[:n]))
+        heading = re.search(rf"^## {prefix}(?=\s|$).*$", markdown, flags=re.MULTILINE)
+        if heading is not None:
+            return heading
+    return None
+
+
 def rewrite_section(markdown: str, name: str, block: str) -> str:
     """``markdown`` with scenario ``name``'s recorded block replaced by (or given) ``block``."""
     begin, end = BEGIN.format(name=name), END.format(name=name)
@@ -62,7 +74,7 @@ def rewrite_section(markdown: str, name: str, block: str) -> str:
         return markdown[:start] + fenced + markdown[stop + len(end) :]
     if num_begin or num_end:
         raise ValueError(f"expected one {begin!r} and one {end!r}, found {num_begin} and {num_end}")
-    heading = re.search(rf"^## {re.escape(name)}(?=\s|$).*$", markdown, flags=re.MULTILINE)
+    heading = _section_heading(markdown, name)
     if heading is None:
         return markdown.rstrip("\n") + f"\n\n## {name}\n\n{fenced}\n"
     following = re.search(r"^## ", markdown[heading.end() :], flags=re.MULTILINE)

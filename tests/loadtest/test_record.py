@@ -62,6 +62,18 @@ def test_a_scenario_without_a_section_gets_one_at_the_end() -> None:
     )
 
 
+def test_a_variant_goes_into_the_section_of_its_longest_prefix() -> None:
+    out = rewrite_section(DOC, "engine-fp32-avx2", block(4))
+    engine, gateway = out.split("## gateway-overhead")
+    assert engine.rstrip().endswith("<!-- bench:engine-fp32-avx2:end -->")
+    assert gateway == DOC.split("## gateway-overhead")[1]
+    # The longest prefix with a section wins.
+    nested = rewrite_section(DOC + "\n## engine-fp32 — float32\n\nprose\n", "engine-fp32-avx2", "B")
+    assert nested.endswith(
+        "prose\n\n<!-- bench:engine-fp32-avx2:begin -->\nB\n<!-- bench:engine-fp32-avx2:end -->\n"
+    )
+
+
 def test_the_block_holds_date_machine_and_parseable_json() -> None:
     text = block(5)
     assert text.startswith("### Recorded 2026-01-02 03:04 UTC on box")
