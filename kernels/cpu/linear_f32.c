@@ -9,7 +9,7 @@
  * ISA: a row's result does not depend on its batch, and AVX2 and AVX-512 agree bit for bit.
  *
  *     AVX-512: MR_512 (8) x rows by the 48 outputs of a panel, 24 zmm accumulators
- *     AVX2:    MR_256 (4) x rows by 24 outputs (a panel in two passes), 12 ymm accumulators;
+ *     AVX2:    MR_256 (4) x rows by 24 outputs (a panel in two halves, k in blocks), 12 ymm accumulators;
  *              fewer rows: one row by the whole panel, 6 accumulators
  *
  * One OpenMP region over panels (libgomp is the one torch loaded, same soname: torch's thread pool),
@@ -38,6 +38,8 @@
                       * Intel Xeon, AVX-512); 200-400 rows level */
 #define K_CHUNK 16   /* k steps between prefetch bursts (a burst in the k loop itself kept the
                       * accumulators in memory: GCC stored them every step) */
+#define K_BLOCK_256 96 /* k steps an AVX2 pass over a panel: 96 x 192 bytes (18 KB) stay in a 32 KB L1 while
+                        * every group of rows reads them, both halves of each panel row (panel_avx2) */
 
 int64_t linear_f32_panel(void) { return PANEL; }
 /* The fused decode layer (decode_f32.c) slices a larger step into calls of at most this many rows. */
@@ -203,15 +205,21 @@ static void panel_avx512(const float *x, const float *panel, const float *bias, 
     }
 }
 
-/* AVX2: MR_256 rows (x0..x3) by the 24 outputs at panel, into out (the rows past the last whole group
- * go a row at a time, row_avx2). Named accumulators, not an array: GCC -O3 kept an array of them in
+/* AVX2: MR_256 rows (x0..x3) by the 24 outputs at panel, K steps of k, into out: the sums so far are
+ * in out unless `first` (a panel's k runs in blocks, panel_avx2; the rows past the last whole group go
+ * a row at a time, row_avx2). Named accumulators, not an array: GCC -O3 kept an array of them in
  * memory as well (a store an FMA, half the speed). 4 x 24 rather than 6 x 16: a panel in two passes,
  * not three, and 32 rows in whole groups; SmolLM2's linears at 32 rows 8-11% less time, at 128 2-3%. */
 __attribute__((target("avx2,fma")))
-static void tile_avx2(const float *x0, const float *x1, const float *x2, const float *x3,
-                      const float *panel, int64_t K, float out[MR_256][24], struct panel_prefetch pf) {
+static void tile_avx2(const float *x0, const float *x1, const float *x2, const float *x3, const float *panel,
+                      int64_t K, float out[MR_256][24], int first, struct panel_prefetch pf) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00, a20 = a00,
            a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+    if (!first) {
+#define IN(r) a##r##0 = _mm256_loadu_ps(out[r]), a##r##1 = _mm256_loadu_ps(out[r] + 8), a##r##2 = _mm256_loadu_ps(out[r] + 16);
+        IN(0) IN(1) IN(2) IN(3)
+#undef IN
+    }
     for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
         prefetch_burst(&pf);
         int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
@@ -271,24 +279,41 @@ static void store_rows_avx2(const float *sums, int64_t out_stride, float *y, int
     }
 }
 
+/* The groups of MR_256 rows run K_BLOCK_256 steps of k at a time, each block both halves of the panel
+ * (its rows read whole, from L1), the sums kept in sums between blocks: the same FMAs in the same order
+ * as one pass over all of k, so the same bits. Over all of k, a half at a time, each tile streamed its
+ * 55 KB (K 576) of strided half rows from L2. On a 2-core Zen 3 EPYC (AVX2 only, 88 GFLOPS FMA peak a
+ * core), alternating the two in one process: SmolLM2's 120 layer linears, cold, two threads, 32 rows
+ * 88.1 -> 81.0 ms (median of 21), 256 rows level (528 / 524); one linear hot on one thread 67-77 -> 75-87
+ * GFLOPS at 32-256 rows. Groups outer or halves outer in a block: level. Blocks of 192 steps (36 KB), or a
+ * half panel at a time over all of k in blocks, gained nothing. */
 __attribute__((target("avx2,fma")))
 static void panel_avx2(const float *x, const float *panel, const float *bias, float *y, int64_t M, int64_t N,
                        int64_t K, int64_t p, const float *next, int64_t next_K) {
-    const int64_t groups = M / MR_256, singles = M % MR_256;
-    const int64_t num_tiles = 2 * groups + singles; /* the prefetch's shares */
+    const int64_t groups = M / MR_256, singles = M % MR_256, halves = 2;
+    const int64_t blocks = (K + K_BLOCK_256 - 1) / K_BLOCK_256;
+    const int64_t num_tiles = halves * groups * blocks + singles; /* the prefetch's shares */
     const int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
     const float *b = bias ? bias + n0 : 0;
     int64_t tile = 0;
-    float out[MR_256][24], row[PANEL];
-    for (int64_t c = 0; c < 2 && 24 * c < ncols; c++) {
-        const int64_t width = ncols - 24 * c < 24 ? ncols - 24 * c : 24;
-        for (int64_t g = 0; g < groups; g++, tile++) {
-            const float *xg = x + g * MR_256 * K;
-            struct panel_prefetch pf = panel_prefetch(next, next_K, K, tile, num_tiles);
-            tile_avx2(xg, xg + K, xg + 2 * K, xg + 3 * K, panel + 24 * c, K, out, pf);
-            store_rows_avx2(&out[0][0], 24, y + g * MR_256 * N + n0 + 24 * c, N, b ? b + 24 * c : 0, MR_256, width);
+    float sums[ROW_BLOCK / MR_256][2][MR_256][24], row[PANEL];
+    for (int64_t k0 = 0; k0 < K; k0 += K_BLOCK_256) {
+        const int64_t steps = K - k0 < K_BLOCK_256 ? K - k0 : K_BLOCK_256;
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + g * MR_256 * K + k0;
+            for (int64_t c = 0; c < halves && 24 * c < ncols; c++, tile++) {
+                struct panel_prefetch pf = panel_prefetch(next, next_K, steps, tile, num_tiles);
+                tile_avx2(xg, xg + K, xg + 2 * K, xg + 3 * K, panel + k0 * PANEL + 24 * c, steps, sums[g][c],
+                          k0 == 0, pf);
+            }
         }
     }
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t c = 0; c < halves && 24 * c < ncols; c++) {
+            const int64_t width = ncols - 24 * c < 24 ? ncols - 24 * c : 24;
+            store_rows_avx2(&sums[g][c][0][0], 24, y + g * MR_256 * N + n0 + 24 * c, N, b ? b + 24 * c : 0, MR_256,
+                            width);
+        }
     for (int64_t m = groups * MR_256; m < M; m++, tile++) {
         struct panel_prefetch pf = panel_prefetch(next, next_K, K, tile, num_tiles);
         row_avx2(x + m * K, panel, K, row, pf);
