@@ -23,6 +23,9 @@ requests through the same client (streamed chat, greedy, ``ignore_eos`` so each 
 vLLM's fastest dtype on this CPU, llama.cpp's Q4_1); ``fp32``: tierserve and vLLM in float32.
 Under ``TIERSERVE_CPU_ISA`` the peers are held to tierserve's level too (``peers_isa``): a stand-in
 for a smaller CPU, recorded as ``-capped``; each server's ``isa`` says what it ran.
+``--tierserve-policies fcfs`` serves tierserve with the fcfs policy set (``loadtest.policy_sets``)
+instead of the defaults, recorded as ``-fcfs``: its engine without the SLO budget, which caps each step
+at the running streams' TPOT target and so holds back a burst's prefill on a slow CPU.
 Ratios are ours ÷ theirs (above 1: tierserve is faster), null when either side is missing.
 """
 
@@ -52,6 +55,7 @@ from loadtest.peers_servers import (
     tierserve_launch,
     vllm_launch,
 )
+from loadtest.policy_sets import POLICY_SETS
 from loadtest.prompt_text import PromptTokenizer, load_tokenizer
 from loadtest.record import cpu_caps
 from loadtest.records import RequestRecord
@@ -95,6 +99,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--tierserve-path",
         default=DEFAULT_MODEL_PATH,
         help="tierserve's pool path: a folder, a .gguf file, 'default' (float weights); default: the pool's",
+    )
+    parser.add_argument(
+        "--tierserve-policies",
+        choices=sorted(POLICY_SETS),
+        default="tiered",
+        help="tierserve's worker policies: tiered (the defaults) or fcfs (its engine without the SLO budget)",
     )
     return parser.parse_args(argv)
 
@@ -159,7 +169,9 @@ class _Bench:
 
     def launch(self, name: str) -> Launch:
         if name == OURS:
-            return tierserve_launch(self.precision, self.workdir, self.args.tierserve_path)
+            return tierserve_launch(
+                self.precision, self.workdir, self.args.tierserve_path, self.args.tierserve_policies
+            )
         from worker.models import store  # lazy: imports torch
 
         if name == "vllm":

@@ -100,12 +100,13 @@ def server_figures(result: ServerResult) -> dict[str, object]:
     return out
 
 
-def scenario_name(precision: Precision, tierserve_path: str, caps: CpuCaps) -> str:
+def scenario_name(precision: Precision, tierserve_path: str, caps: CpuCaps, policies: str = "tiered") -> str:
     """The docs block a run records into: peers (or peers-fp32) when tierserve serves its default
     pool path, -float when it serves the float folder ("default"), -gguf another GGUF file, -folder
     another folder. A CPU below AVX-512 adds its class (-avx2, -generic), so that its run records
     beside an AVX-512 one, not over it; so does TIERSERVE_CPU_ISA, with -capped: every server is held
-    to that level (peers_isa), a stand-in for a CPU of that class."""
+    to that level (peers_isa), a stand-in for a CPU of that class. A policy set other than the
+    defaults ends the name (-fcfs)."""
     name = "peers" if precision is Precision.BEST else "peers-fp32"
     if tierserve_path == "default":
         name += "-float"
@@ -113,7 +114,8 @@ def scenario_name(precision: Precision, tierserve_path: str, caps: CpuCaps) -> s
         name += "-gguf" if tierserve_path.endswith(".gguf") else "-folder"
     if caps.level < IsaLevel.AVX512:
         name += "-avx2" if caps.level == IsaLevel.AVX2 else "-generic"
-    return name + ("-capped" if caps.is_overridden else "")
+    name += "-capped" if caps.is_overridden else ""
+    return name if policies == "tiered" else f"{name}-{policies}"
 
 
 def figures(
@@ -121,10 +123,12 @@ def figures(
 ) -> dict[str, object]:
     precision = Precision(args.precision)
     out: dict[str, object] = {
-        "scenario": scenario_name(precision, args.tierserve_path, caps),  # --record's block
+        # --record's block
+        "scenario": scenario_name(precision, args.tierserve_path, caps, args.tierserve_policies),
         "model": MODEL,
         "precision": precision.value,
         "tierserve_path": args.tierserve_path,  # its pool's path: default-q4_1 (the GGUF), default (float)
+        "tierserve_policies": args.tierserve_policies,  # its worker policy set (loadtest.policy_sets)
         "cpu": machine(),
         "workload": (
             f"streamed chat, greedy, ignore_eos, {args.output_tokens} output tokens each; single: "

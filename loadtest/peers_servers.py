@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.launch import HOST, ROOT, free_port, log_tail, stop_server
+from loadtest.policy_sets import POLICY_SETS
 from loadtest.record import cpu_caps
 from wire.config import DEFAULT_MODEL_PATH
 
@@ -71,14 +72,16 @@ def vllm_dtype(precision: Precision) -> str:
     return "bfloat16" if cpu_caps().native_bf16 else "float32"
 
 
-def tierserve_launch(precision: Precision, workdir: Path, path: str = DEFAULT_MODEL_PATH) -> Launch:
+def tierserve_launch(
+    precision: Precision, workdir: Path, path: str = DEFAULT_MODEL_PATH, policies: str = "tiered"
+) -> Launch:
     """``tierserve serve`` with one pool of ``path`` (the embedded model unless told): dtype auto (best)
-    or float32."""
+    or float32; its worker policies the ``policies`` set (loadtest.policy_sets: the defaults unless told)."""
     dtype = "float32" if precision is Precision.FP32 else "auto"
     config = workdir / "tierserve.toml"
     config.write_text(
         f'[[models.pools]]\nname = "{MODEL}"\npath = {json.dumps(path)}\ndtype = "{dtype}"\n'
-        f"kv_cache_gb = {KV_CACHE_GB}\n"
+        f"kv_cache_gb = {KV_CACHE_GB}\n{POLICY_SETS[policies]}"
     )
     port = free_port()
     command = [sys.executable, "-m", "tierserve", "serve", "--host", HOST, "--port", str(port)]

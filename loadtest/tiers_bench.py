@@ -35,6 +35,7 @@ from loadtest.client import RequestOptions, Target
 from loadtest.figures import fmt, rounded
 from loadtest.launch import Server, log_tail, running_server
 from loadtest.metrics import RunSummary, percentile, summarize, tpot_s
+from loadtest.policy_sets import POLICY_SETS
 from loadtest.prompt_text import load_tokenizer
 from loadtest.records import Outcome, RequestRecord
 from loadtest.runner import Bounds, run_load
@@ -44,17 +45,6 @@ from wire.config import ServerConfig
 WORKLOAD = "interactive-batch"
 FAST_SHED_S = 2.0
 READY_TIMEOUT_S = 600.0
-SETS: dict[str, str] = {
-    "fcfs": """
-[policies]
-ordering = "fcfs"
-budget = "static"
-preemption = "newest"
-eviction = "lru"
-admission = "bounded-queue"
-""",
-    "tiered": "",  # the defaults: tiered, slo-budget, lowest-tier, priority-weighted, bounded-queue
-}
 RUNS = (("fcfs", "fcfs", 1.0), ("tiered", "tiered", 1.0), ("tiered_4x", "tiered", 2.0))  # name, set, × load
 
 
@@ -201,7 +191,7 @@ class _server:
 
     def __init__(self, workdir: Path, set_name: str, args: argparse.Namespace, label: str) -> None:
         self.config_path = workdir / f"{label}.toml"
-        self.config_path.write_text(SETS[set_name])
+        self.config_path.write_text(POLICY_SETS[set_name])
         self.log_path = workdir / f"{label}.log"
         worker = ["--mock", "1"] if args.mock else []
         self._context = running_server(

@@ -80,6 +80,15 @@ def test_a_run_below_avx512_records_beside_the_avx512_one_and_a_capped_run_says_
     assert scenario_name(Precision.FP32, "default", capped_high) == "peers-fp32-float-capped"
 
 
+def test_a_run_on_the_fcfs_set_records_beside_the_defaults_one() -> None:
+    avx2 = caps_from_flags(AVX2_FLAGS, "AMD EPYC 7B13")
+    assert scenario_name(Precision.FP32, "default", avx2, "fcfs") == "peers-fp32-float-avx2-fcfs"
+    assert scenario_name(Precision.FP32, "default", avx2, "tiered") == "peers-fp32-float-avx2"
+    args = parse_args(["--precision", "fp32", "--tierserve-path", "default", "--tierserve-policies", "fcfs"])
+    out = figures(args, {}, None, ZEN4)
+    assert (out["scenario"], out["tierserve_policies"]) == ("peers-fp32-float-fcfs", "fcfs")
+
+
 def test_a_phase_with_a_failed_request_is_no_comparison() -> None:
     result = measured("vllm", 4.0, 16.0)
     records = [RequestRecord(0, "x", "standard", 40, TOKENS, 0.0, 1.0, outcome=Outcome.TIMEOUT)]
