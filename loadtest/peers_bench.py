@@ -25,7 +25,7 @@ Under ``TIERSERVE_CPU_ISA`` the peers are held to tierserve's level too (``peers
 for a smaller CPU, recorded as ``-capped``; each server's ``isa`` says what it ran.
 ``--tierserve-policies fcfs`` serves tierserve with the fcfs policy set (``loadtest.policy_sets``)
 instead of the defaults, recorded as ``-fcfs``: its engine without the SLO budget, which caps each step
-at the running streams' TPOT target and so holds back a burst's prefill on a slow CPU.
+by the running streams' TPOT target and so holds back a burst's prefill on a slow CPU.
 Ratios are ours ÷ theirs (above 1: tierserve is faster), null when either side is missing.
 """
 
@@ -55,7 +55,7 @@ from loadtest.peers_servers import (
     tierserve_launch,
     vllm_launch,
 )
-from loadtest.policy_sets import POLICY_SETS
+from loadtest.policy_sets import DEFAULT_SET, POLICY_SETS
 from loadtest.prompt_text import PromptTokenizer, load_tokenizer
 from loadtest.record import cpu_caps
 from loadtest.records import RequestRecord
@@ -103,7 +103,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--tierserve-policies",
         choices=sorted(POLICY_SETS),
-        default="tiered",
+        default=DEFAULT_SET,
         help="tierserve's worker policies: tiered (the defaults) or fcfs (its engine without the SLO budget)",
     )
     return parser.parse_args(argv)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from loadtest import peers_install
 from loadtest.metrics import GroupSummary, RunSummary
 from loadtest.peers_servers import MODEL, Precision
+from loadtest.policy_sets import DEFAULT_SET
 from loadtest.record import machine
 from wire.config import DEFAULT_MODEL_PATH
 from worker.cpu_isa import CpuCaps, IsaLevel
@@ -100,7 +101,9 @@ def server_figures(result: ServerResult) -> dict[str, object]:
     return out
 
 
-def scenario_name(precision: Precision, tierserve_path: str, caps: CpuCaps, policies: str = "tiered") -> str:
+def scenario_name(
+    precision: Precision, tierserve_path: str, caps: CpuCaps, policies: str = DEFAULT_SET
+) -> str:
     """The docs block a run records into: peers (or peers-fp32) when tierserve serves its default
     pool path, -float when it serves the float folder ("default"), -gguf another GGUF file, -folder
     another folder. A CPU below AVX-512 adds its class (-avx2, -generic), so that its run records
@@ -115,7 +118,7 @@ def scenario_name(precision: Precision, tierserve_path: str, caps: CpuCaps, poli
     if caps.level < IsaLevel.AVX512:
         name += "-avx2" if caps.level == IsaLevel.AVX2 else "-generic"
     name += "-capped" if caps.is_overridden else ""
-    return name if policies == "tiered" else f"{name}-{policies}"
+    return name if policies == DEFAULT_SET else f"{name}-{policies}"
 
 
 def figures(

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.launch import HOST, ROOT, free_port, log_tail, stop_server
-from loadtest.policy_sets import POLICY_SETS
+from loadtest.policy_sets import DEFAULT_SET, POLICY_SETS
 from loadtest.record import cpu_caps
 from wire.config import DEFAULT_MODEL_PATH
 
@@ -73,7 +73,7 @@ def vllm_dtype(precision: Precision) -> str:
 
 
 def tierserve_launch(
-    precision: Precision, workdir: Path, path: str = DEFAULT_MODEL_PATH, policies: str = "tiered"
+    precision: Precision, workdir: Path, path: str = DEFAULT_MODEL_PATH, policies: str = DEFAULT_SET
 ) -> Launch:
     """``tierserve serve`` with one pool of ``path`` (the embedded model unless told): dtype auto (best)
     or float32; its worker policies the ``policies`` set (loadtest.policy_sets: the defaults unless told)."""

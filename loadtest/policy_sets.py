@@ -8,6 +8,7 @@ the newest request preempted, LRU eviction; the gateway's admission stays the de
 
 from __future__ import annotations
 
+DEFAULT_SET = "tiered"  # what serve runs with no [policies] section
 POLICY_SETS: dict[str, str] = {
     "fcfs": """
 [policies]
@@ -17,5 +18,5 @@ preemption = "newest"
 eviction = "lru"
 admission = "bounded-queue"
 """,
-    "tiered": "",
+    DEFAULT_SET: "",
 }

@@ -70,7 +70,7 @@ def test_the_mixed_rate_follows_the_slowest_median_concurrent_run() -> None:
 def test_tierserve_serves_the_policy_set_it_is_told(tmp_path: Path) -> None:
     """The config tierserve starts with is a valid one, its worker policies the set named: the
     defaults (none named) unless told, fcfs's four with --tierserve-policies fcfs."""
-    for policies, ordering in (
+    for policies, expected in (
         ("tiered", ("tiered", "slo-budget", "lowest-tier", "priority-weighted")),
         ("fcfs", ("fcfs", "static", "newest", "lru")),
     ):
@@ -79,5 +79,5 @@ def test_tierserve_serves_the_policy_set_it_is_told(tmp_path: Path) -> None:
         assert config.models.pools[0].dtype == "float32" and config.models.pools[0].path == "default"
         chosen = config.policies
         assert (chosen.ordering.name, chosen.budget.name, chosen.preemption.name, chosen.eviction.name) == (
-            ordering
+            expected
         )
