@@ -2,8 +2,8 @@
 (``check_messages``), shared by the chat and tokenize endpoints.
 
 The roles are OpenAI's (``developer`` rendered as ``system``); content is text or text parts. The
-rules are OpenAI's API's: only an assistant's message carries tool calls, and a tool message answers
-one of the calls of the assistant message before it.
+rules are OpenAI's API's: only an assistant's message carries tool calls, a tool message answers
+one of the calls of the assistant message before it, and each call is answered before the next turn.
 """
 
 from __future__ import annotations
@@ -52,8 +52,12 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 def check_messages(messages: Sequence[ChatMessage]) -> None:
     """Each message's role known (``messages[i].role`` named otherwise); only an assistant's message
     carries calls; a tool message answers one of them (``tool_call_id``), as OpenAI's API has it: it
-    follows the assistant message with the call, only other answers between them."""
+    follows the assistant message with the call, only other answers between them; and every call is
+    answered before any other message, or the end of the list (``messages[i].tool_calls`` of the
+    assistant message names the calls left unanswered)."""
     calls: list[str] = []  # the ids a tool message here may answer
+    unanswered: dict[str, None] = {}  # of the last assistant message's calls, in its order
+    asked_at = -1  # that message's index
     for i, message in enumerate(messages):
         if message.role not in ROLES:
             raise InvalidRequestError(
@@ -65,8 +69,21 @@ def check_messages(messages: Sequence[ChatMessage]) -> None:
             )
         if message.role == "tool":
             _check_answer(i, message.tool_call_id, calls)
-        else:
-            calls = [call.id for call in message.tool_calls or ()]
+            unanswered.pop(message.tool_call_id or "", None)
+            continue
+        _check_all_answered(asked_at, unanswered)
+        calls = [call.id for call in message.tool_calls or ()]
+        unanswered, asked_at = dict.fromkeys(calls), i
+    _check_all_answered(asked_at, unanswered)
+
+
+def _check_all_answered(asked_at: int, unanswered: dict[str, None]) -> None:
+    if unanswered:
+        raise InvalidRequestError(
+            f"messages[{asked_at}].tool_calls",
+            "an assistant message with tool_calls must be followed by a tool message answering each "
+            f"call; these have none: {', '.join(map(repr, unanswered))}",
+        )
 
 
 def _check_answer(i: int, call_id: str | None, calls: list[str]) -> None:

@@ -170,11 +170,35 @@ BAD_REQUESTS: list[tuple[str, str, bytes | dict[str, object], dict[str, str], in
             messages=[
                 *MSG,
                 {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{x"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"},
             ]
         ),
         {},
         400,
         "messages[1].tool_calls[0].function.arguments",
+    ),
+    (
+        "a call left unanswered before the next turn",
+        CHAT,
+        chat(
+            messages=[
+                *MSG,
+                {"role": "assistant", "tool_calls": [CALL, {**CALL, "id": "call_2"}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+                {"role": "user", "content": "and?"},
+            ]
+        ),
+        {},
+        400,
+        "messages[1].tool_calls",
+    ),
+    (
+        "the conversation ends on unanswered calls",
+        CHAT,
+        chat(messages=[*MSG, {"role": "assistant", "tool_calls": [CALL]}]),
+        {},
+        400,
+        "messages[1].tool_calls",
     ),
     (
         "tool of another type",
