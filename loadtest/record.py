@@ -23,6 +23,7 @@ import platform
 import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from pathlib import Path
 
 from worker.cpu_isa import OVERRIDE_ENV, CpuCaps, caps_from_flags, read_cpuinfo  # torch-free: /proc/cpuinfo
 
@@ -36,12 +37,45 @@ def cpu_caps() -> CpuCaps:
     return caps_from_flags(flags, model_name, os.environ.get(OVERRIDE_ENV))
 
 
+SYS_CPU = Path("/sys/devices/system/cpu")
+
+
+def _cpu_list_len(text: str) -> int:
+    """How many CPUs a sysfs list names (``0-1,4``: 3)."""
+    count = 0
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        count += int(high or low) - int(low) + 1
+    return count
+
+
+def topology(sys_cpu: Path = SYS_CPU) -> str:
+    """Threads a core and the L3 of CPU 0, as sysfs says (``1 thread a core, L3 32 MiB``); what it
+    cannot read is left out. Two logical CPUs on one core (SMT) run compute-bound steps at about one
+    core's speed: a figure's machine line says which it had."""
+    said = []
+    try:
+        threads = _cpu_list_len((sys_cpu / "cpu0/topology/thread_siblings_list").read_text())
+        said.append(f"{threads} thread{'s' if threads > 1 else ''} a core")
+    except (OSError, ValueError):
+        pass
+    try:
+        size = (sys_cpu / "cpu0/cache/index3/size").read_text().strip()  # "32768K"
+        kib = int(size.removesuffix("K"))
+        said.append(f"L3 {kib // 1024} MiB" if kib % 1024 == 0 else f"L3 {kib} KiB")
+    except (OSError, ValueError):
+        pass
+    return ", ".join(said)
+
+
 def machine() -> str:
-    """CPU model and ISA (as the engine's probe sees it, TIERSERVE_CPU_ISA included), cores, OS and
-    Python: figures differ by machine, so every recorded one says where it came from."""
+    """CPU model and ISA (as the engine's probe sees it, TIERSERVE_CPU_ISA included), cores (threads a
+    core, L3), OS and Python: figures differ by machine, so every recorded one says where it came from."""
     cpu = cpu_caps().describe()
     system = f"{platform.system()} {platform.machine()}"
-    return f"{cpu}; {os.cpu_count()} cores, {system}, Python {platform.python_version()}"
+    shape = topology()
+    cores = f"{os.cpu_count()} cores" + (f" ({shape})" if shape else "")
+    return f"{cpu}; {cores}, {system}, Python {platform.python_version()}"
 
 
 def recorded_block(figures: Mapping[str, object], when: datetime, where: str) -> str:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
-from loadtest.record import recorded_block, rewrite_section
+from loadtest.record import recorded_block, rewrite_section, topology
 
 DOC = """# Benchmarks
 
@@ -86,3 +87,31 @@ def test_broken_markers_are_refused() -> None:
         rewrite_section(DOC + "<!-- bench:engine:begin -->\n", "engine", "B")
     with pytest.raises(ValueError, match="before"):
         rewrite_section("<!-- bench:engine:end -->\n<!-- bench:engine:begin -->\n", "engine", "B")
+
+
+def _sysfs(root: Path, siblings: str | None, l3: str | None) -> Path:
+    if siblings is not None:
+        (root / "cpu0/topology").mkdir(parents=True)
+        (root / "cpu0/topology/thread_siblings_list").write_text(siblings + "\n")
+    if l3 is not None:
+        (root / "cpu0/cache/index3").mkdir(parents=True)
+        (root / "cpu0/cache/index3/size").write_text(l3 + "\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("siblings", "l3", "said"),
+    [
+        ("0", "32768K", "1 thread a core, L3 32 MiB"),
+        ("0-1", "16384K", "2 threads a core, L3 16 MiB"),  # two logical CPUs on one core (SMT)
+        ("0,2", "1536K", "2 threads a core, L3 1536 KiB"),
+        ("0", None, "1 thread a core"),
+        (None, "32768K", "L3 32 MiB"),
+        (None, None, ""),
+        ("garbage", "lots", ""),
+    ],
+)
+def test_the_machine_line_says_threads_a_core_and_l3(
+    tmp_path: Path, siblings: str | None, l3: str | None, said: str
+) -> None:
+    assert topology(_sysfs(tmp_path, siblings, l3)) == said
