@@ -239,8 +239,8 @@ static inline void attend_one(const float *q, const Layer *L, const Step *S, int
  * 16 registers could not hold 3 heads' 8 accumulators each, and they lived on the stack). Every sum
  * runs over the same terms in the same order as head by head did: the same bits. With the prefetch
  * above, against the body before both (same step, medians of 30 alternated): AVX2 0.975 / 0.960 /
- * 0.943 of the time at ~150 / 250 / 400 tokens, AVX-512 0.981 / 0.980 / 0.962; the blocks alone,
- * AVX2 at ~250 tokens, 62.0 -> 61.0 ms (AVX-512 level). */
+ * 0.943 of the time at ~150 / 250 / 400 tokens, AVX-512 0.981 / 0.980 / 0.962; the blocks on top of
+ * the prefetch, AVX2 at ~250 tokens, 62.0 -> 61.0 ms (AVX-512 level; without it, slower). */
 static inline __attribute__((always_inline)) void attend_group_body(const float *q0, const Layer *L,
                                                                     const Step *S, int64_t m, int64_t g,
                                                                     const int64_t group, const int64_t d,
