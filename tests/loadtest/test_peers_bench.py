@@ -10,7 +10,7 @@ import pytest
 from loadtest.peers_bench import mixed_rate, parse_args
 from loadtest.peers_figures import ServerResult
 from loadtest.peers_install import VLLM_SKIPPED, runtime_requirements
-from loadtest.peers_servers import Precision, tierserve_launch
+from loadtest.peers_servers import Precision, cores, llamacpp_launch, tierserve_launch, vllm_launch
 from tests.loadtest.peers_groups import group, measured
 from wire.config import load_config
 
@@ -22,6 +22,7 @@ def test_defaults_follow_the_issue() -> None:
     assert args.repeats == 3 and args.tierserve_policies == "tiered"
     assert parse_args(["--precision", "fp32"]).precision == Precision.FP32.value
     assert parse_args(["--servers", "vllm"]).servers == ["vllm"]
+    assert parse_args([]).threads is None  # every core
 
 
 @pytest.mark.parametrize(
@@ -37,6 +38,31 @@ def test_defaults_follow_the_issue() -> None:
 def test_unknown_choices_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(argv)
+
+
+def test_threads_are_one_to_the_machines_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("loadtest.peers_bench.cores", lambda: 2)
+    assert parse_args(["--threads", "1"]).threads == 1
+    assert parse_args(["--threads", "2"]).threads == 2
+    for bad in ("0", "3", "x"):
+        with pytest.raises(SystemExit):
+            parse_args(["--threads", bad])
+
+
+def test_each_server_is_started_on_the_threads_it_is_given(tmp_path: Path) -> None:
+    """--threads N: tierserve's worker through OMP_NUM_THREADS (serve then passes no --num-threads),
+    vLLM bound to the first N cores, llama.cpp's -t; without it every core, and OMP_NUM_THREADS as
+    the environment has it."""
+    python, folder, gguf = tmp_path / "python", tmp_path / "model", tmp_path / "m.gguf"
+    ours = tierserve_launch(Precision.FP32, tmp_path, "default", "tiered", 1)
+    assert ours.env == {"OMP_NUM_THREADS": "1"}
+    assert "OMP_NUM_THREADS" not in tierserve_launch(Precision.FP32, tmp_path, "default").env
+    assert vllm_launch(python, folder, Precision.FP32, threads=1).env["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
+    every = vllm_launch(python, folder, Precision.FP32).env["VLLM_CPU_OMP_THREADS_BIND"]
+    assert every == f"0-{cores() - 1}"
+    for threads, expected in ((1, "1"), (None, str(cores()))):
+        command = llamacpp_launch(python, gguf, threads).command
+        assert command[command.index("-t") + 1] == expected
 
 
 def test_vllm_requirements_drop_extras_other_platforms_and_media_packages() -> None:

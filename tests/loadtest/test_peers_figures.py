@@ -89,6 +89,22 @@ def test_a_run_on_the_fcfs_set_records_beside_the_defaults_one() -> None:
     assert (out["scenario"], out["tierserve_policies"]) == ("peers-fp32-float-fcfs", "fcfs")
 
 
+def test_a_run_on_fewer_threads_than_cores_records_beside_the_whole_machines_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("loadtest.peers_bench.cores", lambda: 4)
+    monkeypatch.setattr("loadtest.peers_figures.cores", lambda: 4)
+    capped = caps_from_flags(ZEN4.flags, "AMD EPYC 9R14", override="avx2")
+    name = scenario_name(Precision.FP32, "default", capped, "fcfs", 1)
+    assert name == "peers-fp32-float-avx2-capped-threads-1-fcfs"
+    argv = ["--precision", "fp32", "--tierserve-path", "default", "--threads", "1"]
+    one = figures(parse_args(argv), {}, None, ZEN4)
+    assert (one["scenario"], one["threads"]) == ("peers-fp32-float-threads-1", 1)
+    for argv in ([], ["--threads", "4"]):  # every core, asked for or not: the whole machine's block
+        whole = figures(parse_args(["--precision", "fp32", *argv]), {}, None, ZEN4)
+        assert (whole["scenario"], whole["threads"]) == ("peers-fp32", 4)
+
+
 def test_a_phase_with_a_failed_request_is_no_comparison() -> None:
     result = measured("vllm", 4.0, 16.0)
     records = [RequestRecord(0, "x", "standard", 40, TOKENS, 0.0, 1.0, outcome=Outcome.TIMEOUT)]
