@@ -149,15 +149,23 @@ def port_of(launch: Launch) -> str:
     return launch.command[launch.command.index("--port") + 1]
 
 
+def server_env(launch: Launch, inherited: Mapping[str, str]) -> dict[str, str]:
+    """``launch``'s environment: ours (``inherited``) with its own on top. Each server's threads are its
+    launch's alone (a caller's OMP_NUM_THREADS would otherwise reach whichever server heeds it), and a
+    peer runs in its own venv or none: nothing of ours leaks in."""
+    env = dict(inherited)
+    env.pop("OMP_NUM_THREADS", None)
+    if launch.name != "tierserve":
+        for key in ("PYTHONPATH", "VIRTUAL_ENV"):
+            env.pop(key, None)
+    return {**env, **launch.env}
+
+
 @contextmanager
 def running(launch: Launch, log_path: Path) -> Iterator[Started]:
     """Start ``launch``, yield it once its health endpoint answers 200; the process group is stopped
     on the way out whatever happened. A server that exits or is not ready in time raises."""
-    env = dict(os.environ)
-    if launch.name != "tierserve":  # a peer runs in its own venv or none: nothing of ours leaks in
-        for key in ("PYTHONPATH", "VIRTUAL_ENV"):
-            env.pop(key, None)
-    env.update(launch.env)
+    env = server_env(launch, os.environ)
     base_url = f"http://{HOST}:{port_of(launch)}"
     with log_path.open("wb") as log:
         process = subprocess.Popen(

@@ -10,7 +10,14 @@ import pytest
 from loadtest.peers_bench import mixed_rate, parse_args
 from loadtest.peers_figures import ServerResult
 from loadtest.peers_install import VLLM_SKIPPED, runtime_requirements
-from loadtest.peers_servers import Precision, cores, llamacpp_launch, tierserve_launch, vllm_launch
+from loadtest.peers_servers import (
+    Precision,
+    cores,
+    llamacpp_launch,
+    server_env,
+    tierserve_launch,
+    vllm_launch,
+)
 from tests.loadtest.peers_groups import group, measured
 from wire.config import load_config
 
@@ -51,8 +58,8 @@ def test_threads_are_one_to_the_machines_cores(monkeypatch: pytest.MonkeyPatch) 
 
 def test_each_server_is_started_on_the_threads_it_is_given(tmp_path: Path) -> None:
     """--threads N: tierserve's worker through OMP_NUM_THREADS (serve then passes no --num-threads),
-    vLLM bound to the first N cores, llama.cpp's -t; without it every core, and OMP_NUM_THREADS as
-    the environment has it."""
+    vLLM bound to the first N cores, llama.cpp's -t; without it every core, whatever OMP_NUM_THREADS
+    the bench's own environment has."""
     python, folder, gguf = tmp_path / "python", tmp_path / "model", tmp_path / "m.gguf"
     ours = tierserve_launch(Precision.FP32, tmp_path, "default", "tiered", 1)
     assert ours.env == {"OMP_NUM_THREADS": "1"}
@@ -63,6 +70,14 @@ def test_each_server_is_started_on_the_threads_it_is_given(tmp_path: Path) -> No
     for threads, expected in ((1, "1"), (None, str(cores()))):
         command = llamacpp_launch(python, gguf, threads).command
         assert command[command.index("-t") + 1] == expected
+    caller = {"OMP_NUM_THREADS": "7", "PYTHONPATH": "/ours", "PATH": "/bin"}
+    assert server_env(ours, caller) == {"OMP_NUM_THREADS": "1", "PYTHONPATH": "/ours", "PATH": "/bin"}
+    assert server_env(tierserve_launch(Precision.FP32, tmp_path, "default"), caller) == {
+        "PYTHONPATH": "/ours",
+        "PATH": "/bin",
+    }
+    peer = server_env(llamacpp_launch(python, gguf), caller)
+    assert "OMP_NUM_THREADS" not in peer and "PYTHONPATH" not in peer and peer["PATH"] == "/bin"
 
 
 def test_vllm_requirements_drop_extras_other_platforms_and_media_packages() -> None:
