@@ -45,6 +45,7 @@ from pathlib import Path
 from loadtest import peers_install, peers_isa
 from loadtest.arrivals import ArrivalKind, ArrivalSpec
 from loadtest.client import RequestOptions, Target
+from loadtest.cpu_steal import cpu_times, steal_pct
 from loadtest.metrics import RunSummary, summarize
 from loadtest.peers_figures import OURS, ServerResult, check_figures, figures, median_run
 from loadtest.peers_servers import (
@@ -240,17 +241,20 @@ class _Bench:
         self.load(
             base_url, result.name, self.workload("chat", 2, args.output_tokens), closed, Bounds(1, None, 1)
         )
+        phases = (
+            ("single", 0, Bounds(args.num_single, None, 1)),
+            ("concurrent", 1, Bounds(args.concurrency, None, args.concurrency)),
+        )
         for repeat in range(args.repeats):
-            single = self.workload("chat", 0, args.output_tokens, repeat)
-            bounds = Bounds(args.num_single, None, 1)
-            result.single.append(self.load(base_url, result.name, single, closed, bounds).overall)
-            burst = self.workload("chat", 1, args.output_tokens, repeat)
-            bounds = Bounds(args.concurrency, None, args.concurrency)
-            result.concurrent.append(self.load(base_url, result.name, burst, closed, bounds).overall)
-            single_tok_s, burst_tok_s = result.single[-1].output_tok_s, result.concurrent[-1].output_tok_s
+            for label, seed_offset, bounds in phases:
+                workload = self.workload("chat", seed_offset, args.output_tokens, repeat)
+                before = cpu_times()
+                overall = self.load(base_url, result.name, workload, closed, bounds).overall
+                result.add(label, overall, steal_pct(before, cpu_times()))
+            single, concurrent = result.single[-1].output_tok_s, result.concurrent[-1].output_tok_s
             progress(
-                f"{result.name}: run {repeat + 1}/{args.repeats}: single {single_tok_s:.1f} tok/s, "
-                f"concurrent {burst_tok_s:.1f} tok/s"
+                f"{result.name}: run {repeat + 1}/{args.repeats}: single {single:.1f} tok/s, "
+                f"concurrent {concurrent:.1f} tok/s{_stolen(result)}"
             )
 
     def mixed(self, base_url: str, result: ServerResult) -> None:
@@ -309,6 +313,14 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         if bench.results[name].error is None and args.mixed_s > 0:
             bench.session(name, "mixed", bench.mixed)
     return figures(args, bench.results, bench.rate, caps)
+
+
+def _stolen(result: ServerResult) -> str:
+    """The progress line's note of the hypervisor's share of the last repetition, where it took any."""
+    single, concurrent = result.single_steal[-1], result.concurrent_steal[-1]
+    if not single and not concurrent:
+        return ""
+    return f" (steal {single or 0:g}% / {concurrent or 0:g}%)"
 
 
 def duration_of(records: list[RequestRecord]) -> float:

@@ -38,6 +38,9 @@ class ServerResult:
     start_s: float | None = None  # from launch to its health endpoint answering 200
     single: list[GroupSummary] = field(default_factory=list)  # one per repetition
     concurrent: list[GroupSummary] = field(default_factory=list)  # one per repetition
+    # The hypervisor's share of the CPU time during each repetition, % (loadtest.cpu_steal): None unread.
+    single_steal: list[float | None] = field(default_factory=list)
+    concurrent_steal: list[float | None] = field(default_factory=list)
     mixed: RunSummary | None = None
     check: GroupSummary | None = None
     note: str | None = None  # how it ran, where that differs from the recipe (docs/benchmarks.md)
@@ -45,6 +48,14 @@ class ServerResult:
 
     def phase(self, name: str) -> list[GroupSummary]:
         return self.single if name == "single" else self.concurrent
+
+    def steal(self, name: str) -> list[float | None]:
+        return self.single_steal if name == "single" else self.concurrent_steal
+
+    def add(self, name: str, run: GroupSummary, steal_pct: float | None) -> None:
+        """One repetition of phase ``name``."""
+        self.phase(name).append(run)
+        self.steal(name).append(steal_pct)
 
 
 def usable(group: GroupSummary) -> bool:
@@ -90,6 +101,9 @@ def server_figures(result: ServerResult) -> dict[str, object]:
         median = chosen[label]
         out[f"{label}_output_tokens"] = median.num_output_tokens if median else None
         out[f"{label}_tok_s_runs"] = [_round(g.output_tok_s) if usable(g) else None for g in runs]
+        stolen = result.steal(label)
+        if any(pct is not None for pct in stolen):
+            out[f"{label}_steal_pct_runs"] = stolen
         retried = sum(g.num_retried for g in runs)
         if retried:
             out[f"{label}_retried"] = retried

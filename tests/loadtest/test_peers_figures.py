@@ -149,3 +149,17 @@ def test_retried_requests_are_counted_where_there_were_any() -> None:
     result = ServerResult("llamacpp", "q4_1", None, 0.5, [retried, group(1.0, 4)], [group(1.0, 4)])
     out = server_figures(result)
     assert out["single_retried"] == 1 and "concurrent_retried" not in out
+
+
+def test_the_hypervisors_share_of_each_repetition_is_listed_where_it_was_read() -> None:
+    result = ServerResult("vllm", "float32")
+    for single, concurrent, steal in ((1.0, 4.0, 0.0), (2.0, 8.0, 12.5)):
+        result.add("single", group(single, 4), steal)
+        result.add("concurrent", group(concurrent, 32, concurrent=True), None)
+    out = server_figures(result)
+    assert out["single_steal_pct_runs"] == [0.0, 12.5]
+    assert "concurrent_steal_pct_runs" not in out  # never read (no /proc/stat): no figure, not zeros
+    assert out["single_tok_s_runs"] == [
+        pytest.approx(TOKENS / 1.0, rel=0.01),
+        pytest.approx(TOKENS / 2.0, rel=0.01),
+    ]

@@ -1,0 +1,47 @@
+"""How much of the machine's CPU time its hypervisor gave elsewhere while a phase ran.
+
+On a VM a neighbour shows up as ``steal`` in ``/proc/stat``: the time a vCPU was ready to run and the
+host ran something else. A bench repetition far below its siblings, with steal beside it, was the
+machine's, not the server's (the 2-core Zen 3 VM of 2026-12-07 spread 128-192 tok/s within minutes).
+Contention for the caches or memory does not show here: steal is a floor on the disturbance.
+
+    cpu  user nice system idle iowait irq softirq steal guest guest_nice     (/proc/stat, jiffies)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC_STAT = Path("/proc/stat")
+_STEAL = 7  # the eighth field after "cpu"
+_COUNTED = 8  # user .. steal: guest time is counted in user already
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTimes:
+    """The whole machine's CPU time so far (every CPU), in jiffies."""
+
+    total: int
+    steal: int
+
+
+def cpu_times(path: Path = PROC_STAT) -> CpuTimes | None:
+    """Now's totals; None where there is no ``/proc/stat`` (or no steal field in it: an old kernel)."""
+    try:
+        with path.open() as stat:
+            first = stat.readline().split()
+    except OSError:
+        return None
+    if not first or first[0] != "cpu" or len(first) < 1 + _COUNTED:
+        return None
+    fields = [int(value) for value in first[1 : 1 + _COUNTED]]
+    return CpuTimes(sum(fields), fields[_STEAL])
+
+
+def steal_pct(before: CpuTimes | None, after: CpuTimes | None) -> float | None:
+    """The hypervisor's share of the CPU time between two readings, in percent (one decimal); None
+    when either is missing or no time passed."""
+    if before is None or after is None or after.total <= before.total:
+        return None
+    return round(100 * (after.steal - before.steal) / (after.total - before.total), 1)
