@@ -3,9 +3,10 @@
 Chat and completions take one path; what differs between them (decoding, prompts, response shapes) is
 an :class:`~gateway.endpoint.Endpoint`:
 
-    headers ─▶ identity (tenant, tier; 401/400/403) ─▶ body ─▶ endpoint.decode ─▶ endpoint.prompts
-        ─▶ placement and tokens, decided once (gateway/placement.py) ─▶ prompt check per prompt
-        (wire/prompt.py, against the workers that would take it) ─▶ Job (prompts × n choices)
+    headers ─▶ identity (tenant, tier; 401/400/403) ─▶ body ─▶ endpoint.decode (service_tier may set
+        the tier) ─▶ endpoint.prompts ─▶ placement and tokens, decided once (gateway/placement.py)
+        ─▶ prompt check per prompt (wire/prompt.py, against the workers that would take it)
+        ─▶ Job (prompts × n choices)
         ─▶ completion.respond
                                          (admission, dispatch, fan-in, SSE or JSON: gateway/completion.py)
 
@@ -36,7 +37,7 @@ from gateway.completion import Choice, Job, respond
 from gateway.drain import DrainMiddleware
 from gateway.endpoint import CHAT, COMPLETIONS, Body, Endpoint
 from gateway.errors import APIError
-from gateway.identity import Identity, identify
+from gateway.identity import Identity, identify, with_service_tier
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.openai_api import ModelCard, ModelList
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -174,6 +175,7 @@ async def _complete(request: Request, gateway: Gateway, endpoint: Endpoint[Body]
     with gateway.telemetry.tracer.start_as_current_span(attr.CLASSIFY) as span:
         identity = identify(gateway.config, request.headers)
         parsed = _parse(endpoint.decode, await _read_body(request, limits.max_body_bytes))
+        identity = with_service_tier(gateway.config, identity, endpoint.service_tier(parsed))
         gateway.builder(parsed.model)  # 404 for a model not served here
         _check(lambda: parsed.check_n(limits.max_n))
         prompts = _check(lambda: endpoint.prompts(parsed, limits.max_prompts))
@@ -187,7 +189,10 @@ async def _complete(request: Request, gateway: Gateway, endpoint: Endpoint[Body]
         if tool_spec is not None:  # read the answer as the placed model's template taught it
             call_format = gateway.builder(placement.model).call_format
             tool_spec = dataclasses.replace(tool_spec, answer_format=call_format)
-        renderer = endpoint.renderer(request_id, placement.model, parsed.include_usage, texts, tool_spec)
+        service_tier = gateway.config.service_tier_name(identity.tier)
+        renderer = endpoint.renderer(
+            request_id, placement.model, parsed.include_usage, texts, tool_spec, service_tier
+        )
         _classified(gateway, span, identity, placement, prompt_ids)
         if gateway.telemetry.capture_content:
             server_span.set_attribute(attr.GEN_AI_INPUT_MESSAGES, json.dumps(prompts.content))

@@ -46,9 +46,11 @@ class Endpoint(Generic[Body]):
     decode: Callable[[bytes], Body]  # raises InvalidRequestError naming the field
     prompts: Callable[[Body, int], Prompts]  # at most that many prompts; raises InvalidRequestError
     wants_logprobs: Callable[[Body], bool]
-    # (id, model, usage?, logprob texts, the tools whose calls are parsed out of the text)
-    renderer: Callable[[str, str, bool, TokenTexts | None, ToolSpec | None], Renderer]
+    # (id, model, usage?, logprob texts, the tools whose calls are parsed out of the text, the
+    # service_tier the response names)
+    renderer: Callable[[str, str, bool, TokenTexts | None, ToolSpec | None, str | None], Renderer]
     tool_spec: Callable[[Body], ToolSpec | None]
+    service_tier: Callable[[Body], str | None]  # OpenAI's service_tier field (the legacy API has none)
     id_prefix: str  # of the response's id
     operation: str  # gen_ai.operation.name
 
@@ -91,6 +93,7 @@ CHAT = Endpoint(
     wants_logprobs=lambda body: body.logprobs,
     renderer=ChatRenderer,
     tool_spec=lambda body: body.tool_spec(),
+    service_tier=lambda body: body.service_tier,
     id_prefix="chatcmpl",
     operation="chat",
 )
@@ -101,6 +104,7 @@ COMPLETIONS = Endpoint(
     wants_logprobs=lambda body: body.logprobs is not None,  # the legacy API: a count, 0 included
     renderer=CompletionRenderer,
     tool_spec=lambda body: None,
+    service_tier=lambda body: None,
     id_prefix="cmpl",
     operation="text_completion",
 )

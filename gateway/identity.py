@@ -3,6 +3,9 @@
     no key ──▶ the keyless tenant (401 if keys are required or there is none)
     a key  ──▶ its tenant (401 if it matches none; ignored when no tenant has a key at all)
     X-SLA-Tier (else the tenant's default) ──▶ Tier   (400 unknown name, 403 above the tenant's max_tier)
+    the body's service_tier (OpenAI's) ──▶ Tier       (with_service_tier, once the body is read: the
+                                                       same checks; 400 when it names another tier than
+                                                       X-SLA-Tier)
 
 Resolved once per request, before the body is read, so a caller without a valid key learns nothing
 about the request it sent. Error messages never echo the key.
@@ -15,6 +18,7 @@ can neither choose nor see it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import secrets
@@ -26,6 +30,7 @@ from wire.config import ServerConfig, Tenant, TierNotAllowedError
 from wire.tier import Tier
 
 TIER_HEADER = "X-SLA-Tier"
+SERVICE_TIER = "service_tier"  # OpenAI's body field, mapped onto a tier (ServerConfig.service_tiers)
 _BEARER = "bearer "
 
 
@@ -37,6 +42,7 @@ class Identity:
     tenant: Tenant
     tier: Tier
     cache_salt: str  # derived from the tenant, never from client input
+    asked: bool = False  # the tier came from X-SLA-Tier (not the tenant's or the server's default)
 
 
 def cache_salt(config: ServerConfig, tenant: Tenant) -> str:
@@ -56,7 +62,32 @@ def identify(config: ServerConfig, headers: Mapping[str, str]) -> Identity:
         raise APIError(403, str(exc), param=TIER_HEADER, code="tier_not_allowed") from None
     except KeyError as exc:
         raise APIError(400, f"{TIER_HEADER}: {exc.args[0]}", param=TIER_HEADER, code="unknown_tier") from None
-    return Identity(tenant, tier, cache_salt(config, tenant))
+    return Identity(tenant, tier, cache_salt(config, tenant), asked=requested is not None)
+
+
+def with_service_tier(config: ServerConfig, identity: Identity, service_tier: str | None) -> Identity:
+    """``identity`` at the tier OpenAI's ``service_tier`` names (``config.service_tier``); unchanged
+    for None or ``auto``. :class:`APIError` 400 for a value not served or one naming another tier
+    than X-SLA-Tier did, 403 above the tenant's ``max_tier``."""
+    if service_tier is None or service_tier == "auto":
+        return identity
+    try:
+        tier = config.service_tier(service_tier)
+    except KeyError as exc:
+        raise APIError(400, exc.args[0], param=SERVICE_TIER, code="unknown_tier") from None
+    if identity.asked and tier.name != identity.tier.name:
+        raise APIError(
+            400,
+            f"service_tier {service_tier!r} is tier {tier.name!r} but {TIER_HEADER} asked for "
+            f"{identity.tier.name!r}: send one of them",
+            param=SERVICE_TIER,
+            code="conflicting_tier",
+        )
+    try:
+        config.resolve_tier(identity.tenant, tier.name)
+    except TierNotAllowedError as exc:
+        raise APIError(403, str(exc), param=SERVICE_TIER, code="tier_not_allowed") from None
+    return dataclasses.replace(identity, tier=tier)
 
 
 def _bearer_key(authorization: str | None) -> str | None:

@@ -96,6 +96,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    service_tier: str | None = None  # OpenAI's name of the tier it ran at (ServerConfig.service_tier_name)
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -118,6 +119,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    service_tier: str | None = None
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -198,11 +200,14 @@ class ChatRenderer:
         include_usage: bool,
         texts: TokenTexts | None = None,
         tools: ToolSpec | None = None,
+        service_tier: str | None = None,
     ) -> None:
         """``texts``: given when logprobs were asked for; ``tools``: the request's, whose calls are
-        parsed out of each choice's text (gateway/tools.py) unless tool_choice is ``none``."""
+        parsed out of each choice's text (gateway/tools.py) unless tool_choice is ``none``;
+        ``service_tier``: what every chunk and the whole answer say the request ran at."""
         self.request_id = request_id
         self.model = model
+        self.service_tier = service_tier
         self.include_usage = include_usage
         self.texts = texts
         self.tools = tools if tools is not None and tools.in_prompt else None
@@ -211,7 +216,12 @@ class ChatRenderer:
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            service_tier=self.service_tier,
         )
 
     def _logprobs(self, entries: Sequence[TokenLogprob] | None) -> ChatLogprobs | None:
@@ -263,6 +273,7 @@ class ChatRenderer:
             model=self.model,
             choices=[self._choice(c) for c in choices],
             usage=usage,
+            service_tier=self.service_tier,
         )
 
     def _choice(self, c: ChoiceResult) -> ChatChoice:
@@ -297,8 +308,10 @@ class CompletionRenderer:
         include_usage: bool,
         texts: TokenTexts | None = None,
         tools: ToolSpec | None = None,
+        service_tier: str | None = None,
     ) -> None:
-        """``tools``: always None (the completions API has none), taken for the Endpoint's one shape."""
+        """``tools``: always None (the completions API has none), taken for the Endpoint's one shape; so
+        is ``service_tier``, which the legacy API's responses do not carry."""
         assert tools is None, "the completions API has no tools"
         self.request_id = request_id
         self.model = model

@@ -21,7 +21,7 @@ from msgspec import Meta, field
 
 from wire.config_load import ConfigError, blame, decode, env_overrides, read_toml
 from wire.config_rules import validate
-from wire.tier import DEFAULT_TIERS, Tier
+from wire.tier import DEFAULT_TIERS, OPENAI_SERVICE_TIERS, Tier
 
 __all__ = [
     "ConfigError",
@@ -239,6 +239,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     default_tier: Name = "standard"
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     tiers: tuple[Tier, ...] = DEFAULT_TIERS
+    # OpenAI's ``service_tier`` values (default, flex, priority, scale) → tier names. None: priority is
+    # the most urgent tier, default the server's default_tier, flex the least urgent (see service_tier).
+    service_tiers: dict[str, Name] | None = None
     tenants: tuple[Tenant, ...] = (Tenant(name="anonymous"),)
     models: ModelsConfig = field(default_factory=ModelsConfig)
     policies: PoliciesConfig = field(default_factory=PoliciesConfig)
@@ -250,6 +253,26 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             if tier.name == name:
                 return tier
         raise KeyError(f"unknown tier {name!r} (known: {', '.join(t.name for t in self.tiers_by_urgency)})")
+
+    def service_tier_map(self) -> dict[str, str]:
+        """OpenAI's ``service_tier`` names → tier names: ``service_tiers``, else the default mapping."""
+        if self.service_tiers is not None:
+            return dict(self.service_tiers)
+        by_urgency = self.tiers_by_urgency
+        return {"priority": by_urgency[0].name, "default": self.default_tier, "flex": by_urgency[-1].name}
+
+    def service_tier(self, name: str) -> Tier:
+        """The tier OpenAI's ``service_tier`` ``name`` runs at; ``KeyError`` naming the values served."""
+        mapping = self.service_tier_map()
+        if name not in mapping:
+            raise KeyError(f"unknown service_tier {name!r} (served: auto, {', '.join(sorted(mapping))})")
+        return self.tier(mapping[name])
+
+    def service_tier_name(self, tier: Tier) -> str | None:
+        """What OpenAI's ``service_tier`` calls ``tier`` (a response says it): the first name mapped to it
+        in default, priority, flex, scale order; None when none is."""
+        mapping = self.service_tier_map()
+        return next((name for name in OPENAI_SERVICE_TIERS if mapping.get(name) == tier.name), None)
 
     def tier_by_rank(self, rank: int) -> Tier:
         for tier in self.tiers:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from wire.config_load import ConfigError
 from wire.curve import CurveKeyError, load_authorized_keys, load_key_pair
 from wire.full_precision import check_entries
-from wire.tier import Tier
+from wire.tier import OPENAI_SERVICE_TIERS, Tier
 
 if TYPE_CHECKING:
     from wire.config import ModelPool, ServerConfig
@@ -25,6 +25,7 @@ def validate(config: ServerConfig, fail: Fail) -> None:
     """Cross-field rules a type cannot state; each raises naming the key that must change."""
     _validate_tiers(config, fail)
     _validate_tenants(config, fail)
+    _validate_service_tiers(config, fail)
     _validate_pools(config, fail)
     _validate_context_classes(config, fail)
     _validate_liveness(config, fail)
@@ -151,6 +152,19 @@ def _check_tier_name(config: ServerConfig, name: str, key: str, fail: Fail) -> T
     except KeyError:
         known = ", ".join(t.name for t in config.tiers_by_urgency)
         raise fail(key, f"unknown tier {name!r} (known: {known})") from None
+
+
+def _validate_service_tiers(config: ServerConfig, fail: Fail) -> None:
+    known = {tier.name for tier in config.tiers}
+    for name, tier in (config.service_tiers or {}).items():
+        if name not in OPENAI_SERVICE_TIERS:
+            raise fail(
+                f"service_tiers.{name}",
+                f"not one of OpenAI's service_tier values {list(OPENAI_SERVICE_TIERS)} (auto always means "
+                "the X-SLA-Tier header's or the tenant's tier)",
+            )
+        if tier not in known:
+            raise fail(f"service_tiers.{name}", f"unknown tier {tier!r} (known: {', '.join(sorted(known))})")
 
 
 def _validate_tenants(config: ServerConfig, fail: Fail) -> None:

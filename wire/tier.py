@@ -27,3 +27,7 @@ DEFAULT_TIERS: tuple[Tier, ...] = (
     Tier(name="standard", rank=1, ttft_ms=3000.0, tpot_ms=200.0, max_queue=256),
     Tier(name="batch", rank=2, max_queue=1024, sheddable=True),
 )
+
+# OpenAI's ``service_tier`` values that may name a tier (``auto``, no preference, always means the
+# header's or the tenant's tier), in the order a response names a tier mapped from several.
+OPENAI_SERVICE_TIERS = ("default", "priority", "flex", "scale", "fast")

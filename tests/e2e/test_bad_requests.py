@@ -283,6 +283,8 @@ BAD_REQUESTS: list[tuple[str, str, bytes | dict[str, object], dict[str, str], in
     ),
     ("unknown model", CHAT, chat(model="gpt-17"), {}, 404, "model"),
     ("unknown tier", CHAT, chat(), {"x-sla-tier": "platinum"}, 400, "X-SLA-Tier"),
+    ("service_tier not served", CHAT, chat(service_tier="scale"), {}, 400, "service_tier"),
+    ("service_tier on the legacy API", COMPLETIONS, completion(service_tier="flex"), {}, 400, "service_tier"),
     ("wrong key", CHAT, chat(), {"authorization": "Bearer nope"}, 401, None),
     ("malformed authorization", CHAT, chat(), {"authorization": "Basic Zm9v"}, 401, None),
     (

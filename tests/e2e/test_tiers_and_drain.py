@@ -9,8 +9,10 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import httpx
+import openai
 import pytest
 
 from loadtest.launch import Server, running_server
@@ -34,6 +36,7 @@ default_tier = "batch"
 max_tier = "standard"
 """
 MSG = [{"role": "user", "content": "Hello"}]
+ServiceTier = Literal["auto", "default", "flex", "priority"]
 NUM_STREAMS = 5
 # At the mock's 5 ms per step this is seconds of streaming: far more than the SIGTERM → 503 round trip
 # needs, so the 503 is always seen while the streams still run.
@@ -93,6 +96,56 @@ def test_refused(server: Server, key: str | None, tier: str | None, status: int,
     assert response.json()["error"]["type"] == kind
     if status in (400, 403):
         assert response.json()["error"]["param"] == "X-SLA-Tier"
+
+
+@pytest.mark.parametrize(
+    ("key", "header", "service_tier", "tier", "named"),
+    [
+        ("chat-key", None, "flex", "batch", "flex"),
+        ("chat-key", None, "auto", "interactive", "priority"),  # the tenant's default, named back
+        ("jobs-key", None, "default", "standard", "default"),
+        ("jobs-key", "batch", "flex", "batch", "flex"),  # the header's tier again
+    ],
+)
+def test_openais_service_tier_picks_the_tier_and_the_answer_names_it(
+    server: Server, key: str, header: str | None, service_tier: ServiceTier, tier: str, named: str
+) -> None:
+    headers = {} if header is None else {"X-SLA-Tier": header}
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=10) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="mock", messages=MSG, max_tokens=3, service_tier=service_tier, extra_headers=headers
+        )
+        assert raw.headers["x-sla-tier"] == tier
+        assert raw.parse().service_tier == named
+        stream = client.chat.completions.create(
+            model="mock",
+            messages=MSG,
+            max_tokens=3,
+            service_tier=service_tier,
+            extra_headers=headers,
+            stream=True,
+        )
+        assert {chunk.service_tier for chunk in stream} == {named}
+
+
+@pytest.mark.parametrize(
+    ("key", "header", "service_tier", "status", "kind"),
+    [
+        ("jobs-key", None, "priority", 403, "permission_error"),  # above its max_tier
+        ("chat-key", "batch", "priority", 400, "invalid_request_error"),  # the header says another
+        ("chat-key", None, "scale", 400, "invalid_request_error"),  # not mapped here
+    ],
+    ids=["above max tier", "conflicts with the header", "not served"],
+)
+def test_a_service_tier_refused_names_it(
+    server: Server, key: str, header: str | None, service_tier: str, status: int, kind: str
+) -> None:
+    headers = {"Authorization": f"Bearer {key}"} | ({} if header is None else {"X-SLA-Tier": header})
+    body = {"model": "mock", "messages": MSG, "max_tokens": 3, "service_tier": service_tier}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=headers, timeout=10)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == (kind, "service_tier")
 
 
 def test_sigterm_drains_live_streams_then_exits_0(draining_server: Server, tmp_path: Path) -> None:

@@ -9,8 +9,9 @@ import pytest
 from starlette.datastructures import Headers
 
 from gateway.errors import APIError
-from gateway.identity import identify
+from gateway.identity import identify, with_service_tier
 from wire.config import GatewayConfig, ServerConfig, Tenant
+from wire.tier import Tier
 
 KEYED = ServerConfig(
     tenants=(
@@ -117,3 +118,53 @@ def test_the_cache_salt_is_the_tenants_under_the_server_secret() -> None:
     assert identify(a, headers("chat-key")).cache_salt == identify(a, headers("chat-key")).cache_salt
     assert identify(a, headers("chat-key")).cache_salt != identify(b, headers("chat-key")).cache_salt
     assert len(chat.cache_salt) == 32
+
+
+SERVICE_TIER_CASES = [
+    # (id, headers, service_tier, tier) against KEYED
+    ("absent: the tenant's default", headers("chat-key"), None, "interactive"),
+    ("auto: the header's or the default", headers("chat-key", "standard"), "auto", "standard"),
+    ("flex: the least urgent", headers("chat-key"), "flex", "batch"),
+    ("default: the server's default tier", headers("chat-key"), "default", "standard"),
+    ("priority: the most urgent", headers("chat-key"), "priority", "interactive"),
+    ("the header's own tier again", headers("jobs-key", "batch"), "flex", "batch"),
+]
+
+
+@pytest.mark.parametrize(
+    ("given", "service_tier", "tier"),
+    [c[1:] for c in SERVICE_TIER_CASES],
+    ids=[c[0] for c in SERVICE_TIER_CASES],
+)
+def test_service_tier_picks_the_tier(given: Headers, service_tier: str | None, tier: str) -> None:
+    identity = with_service_tier(KEYED, identify(KEYED, given), service_tier)
+    assert identity.tier.name == tier
+
+
+@pytest.mark.parametrize(
+    ("given", "service_tier", "status", "code"),
+    [
+        (headers("chat-key"), "scale", 400, "unknown_tier"),  # not mapped by default
+        (headers("chat-key"), "fast", 400, "unknown_tier"),
+        (headers("chat-key", "batch"), "priority", 400, "conflicting_tier"),
+        (headers("jobs-key"), "priority", 403, "tier_not_allowed"),  # above its max_tier, as the header
+    ],
+)
+def test_service_tier_refuses(given: Headers, service_tier: str, status: int, code: str) -> None:
+    with pytest.raises(APIError) as raised:
+        with_service_tier(KEYED, identify(KEYED, given), service_tier)
+    assert (raised.value.status, raised.value.code, raised.value.param) == (status, code, "service_tier")
+
+
+def test_service_tiers_follow_the_config_and_name_the_tier_back() -> None:
+    custom = ServerConfig(
+        tiers=(Tier(name="now", rank=0), Tier(name="soon", rank=1), Tier(name="later", rank=2)),
+        default_tier="soon",
+    )
+    assert custom.service_tier_map() == {"priority": "now", "default": "soon", "flex": "later"}
+    mapped = msgspec.structs.replace(custom, service_tiers={"scale": "now", "default": "later"})
+    assert mapped.service_tier("scale").name == "now"
+    with pytest.raises(KeyError, match="served: auto, default, scale"):
+        mapped.service_tier("flex")
+    assert [mapped.service_tier_name(t) for t in mapped.tiers] == ["scale", None, "default"]
+    assert [KEYLESS.service_tier_name(t) for t in KEYLESS.tiers_by_urgency] == ["priority", "default", "flex"]

@@ -113,7 +113,7 @@ def test_decode_errors_name_the_field(body: bytes, field: str) -> None:
     ("decode", "body", "field"),
     [
         (decode_chat, chat_body(some_future_field={"x": 1}), "some_future_field"),
-        (decode_chat, chat_body(service_tier="flex"), "service_tier"),
+        (decode_completion, b'{"model": "m", "prompt": "x", "service_tier": "flex"}', "service_tier"),
         (decode_chat, chat_body(store=True), "store"),
         (
             decode_chat,

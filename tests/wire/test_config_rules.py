@@ -23,6 +23,12 @@ BAD_FILES = [
     ("[[tiers]]\nname = 'a'\nrank = 0\nttft_ms = 0\n", "tiers[0].ttft_ms", "must be positive"),
     ("default_tier = 'gold'\n", "default_tier", "unknown tier 'gold' (known: interactive, standard, batch)"),
     (
+        "[service_tiers]\nflex = 'gold'\n",
+        "service_tiers.flex",
+        "unknown tier 'gold' (known: batch, interactive",
+    ),
+    ("[service_tiers]\nauto = 'batch'\n", "service_tiers.auto", "not one of OpenAI's service_tier values"),
+    (
         "[[tenants]]\nname = 'a'\n[[tenants]]\nname = 'b'\napi_keys = ['k']\nmax_tier = 'gold'\n",
         "tenants[1].max_tier",
         "unknown tier 'gold' (known: interactive, standard, batch)",
