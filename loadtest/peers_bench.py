@@ -45,7 +45,7 @@ from pathlib import Path
 from loadtest import peers_install, peers_isa
 from loadtest.arrivals import ArrivalKind, ArrivalSpec
 from loadtest.client import RequestOptions, Target
-from loadtest.cpu_steal import cpu_times, steal_pct
+from loadtest.machine_state import cpu_times, read_gb_s, steal_pct
 from loadtest.metrics import RunSummary, summarize
 from loadtest.peers_figures import OURS, ServerResult, check_figures, figures, median_run
 from loadtest.peers_servers import (
@@ -139,10 +139,13 @@ class _Bench:
     peer_level: IsaLevel | None = None  # the peers held to this level (TIERSERVE_CPU_ISA), else None
     llamacpp_variant: str = "native"  # noamx once the native build died at start on this AMX CPU
 
-    def session(self, name: str, label: str, phases: Callable[[str, ServerResult], None]) -> None:
+    def session(
+        self, name: str, label: str, phases: Callable[[str, ServerResult], None], probe: bool = False
+    ) -> None:
         """Install (peers), start, run ``phases`` against the server, stop; a peer's failure is noted.
         llama.cpp killed by a signal at start on an AMX CPU is rebuilt without ggml's AMX path and
-        started again, once (its AMX code faulted at ``ldtilecfg`` on a Xeon VM where oneDNN's runs)."""
+        started again, once (its AMX code faulted at ``ldtilecfg`` on a Xeon VM where oneDNN's runs).
+        ``probe``: the read bandwidth is measured just before the server starts and after it stops."""
         result = self.results.setdefault(name, ServerResult(name))
         try:
             launch = self.launch(name)
@@ -153,6 +156,7 @@ class _Bench:
             progress(f"{name}: {result.error}")
             return
         result.dtype = launch.dtype
+        before = read_gb_s() if probe else None
         progress(f"{name}: starting ({launch.dtype})")
         started, ready_s = time.monotonic(), None
         try:
@@ -163,11 +167,15 @@ class _Bench:
                 result.isa = self.isa_of(name, server)
                 progress(f"{name}: ready in {ready_s:g} s ({result.isa})")
                 phases(server.base_url, result)
+            if before is not None:
+                after = read_gb_s()
+                result.read_gb_s_around = (before, after)
+                progress(f"{name}: read bandwidth {before:g} GB/s before it, {after:g} after")
         except Exception as exc:
             if name == OURS:
                 raise
             if self._rebuild_without_amx(name, exc, result):
-                self.session(name, label, phases)
+                self.session(name, label, phases, probe)
                 return
             stage = "start failed" if ready_s is None else f"failed while measuring ({label})"
             result.error = f"{stage}: {exc}"
@@ -308,7 +316,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             if is_last:  # every capacity is known now: its mixed run needs no second start
                 bench.mixed(base_url, result)
 
-        bench.session(name, "single-concurrent", first_pass)
+        bench.session(name, "single-concurrent", first_pass, probe=True)
     for name in reversed(order[:-1]):  # the others' mixed runs, each started alone again
         if bench.results[name].error is None and args.mixed_s > 0:
             bench.session(name, "mixed", bench.mixed)

@@ -38,9 +38,11 @@ class ServerResult:
     start_s: float | None = None  # from launch to its health endpoint answering 200
     single: list[GroupSummary] = field(default_factory=list)  # one per repetition
     concurrent: list[GroupSummary] = field(default_factory=list)  # one per repetition
-    # The hypervisor's share of the CPU time during each repetition, % (loadtest.cpu_steal): None unread.
+    # What the machine gave it (loadtest.machine_state): the hypervisor's share of the CPU time during
+    # each repetition, % (None: unread), and the read bandwidth before it started and after it stopped.
     single_steal: list[float | None] = field(default_factory=list)
     concurrent_steal: list[float | None] = field(default_factory=list)
+    read_gb_s_around: tuple[float, float] | None = None
     mixed: RunSummary | None = None
     check: GroupSummary | None = None
     note: str | None = None  # how it ran, where that differs from the recipe (docs/benchmarks.md)
@@ -107,6 +109,8 @@ def server_figures(result: ServerResult) -> dict[str, object]:
         retried = sum(g.num_retried for g in runs)
         if retried:
             out[f"{label}_retried"] = retried
+    if result.read_gb_s_around is not None:
+        out["read_gb_s_around"] = list(result.read_gb_s_around)
     if result.mixed is not None:
         out["mixed_output_tok_s"] = _round(result.mixed.overall.output_tok_s)
         out["mixed_tiers"] = {name: _tier_figures(g) for name, g in result.mixed.tiers.items()}

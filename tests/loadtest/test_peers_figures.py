@@ -159,6 +159,9 @@ def test_the_hypervisors_share_of_each_repetition_is_listed_where_it_was_read() 
     out = server_figures(result)
     assert out["single_steal_pct_runs"] == [0.0, 12.5]
     assert "concurrent_steal_pct_runs" not in out  # never read (no /proc/stat): no figure, not zeros
+    assert "read_gb_s_around" not in out  # not probed (a check, or the mixed run's second start)
+    result.read_gb_s_around = (33.1, 21.4)
+    assert server_figures(result)["read_gb_s_around"] == [33.1, 21.4]
     assert out["single_tok_s_runs"] == [
         pytest.approx(TOKENS / 1.0, rel=0.01),
         pytest.approx(TOKENS / 2.0, rel=0.01),

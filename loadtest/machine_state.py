@@ -1,15 +1,20 @@
-"""How much of the machine's CPU time its hypervisor gave elsewhere while a phase ran.
+"""What the machine gave a bench's server: the hypervisor's share of the CPU time during each repetition,
+and the memory's read bandwidth around the server's run.
 
 On a VM a neighbour shows up as ``steal`` in ``/proc/stat``: the time a vCPU was ready to run and the
-host ran something else. A bench repetition far below its siblings, with steal beside it, was the
-machine's, not the server's (the 2-core Zen 3 VM of 2026-12-07 spread 128-192 tok/s within minutes).
-Contention for the caches or memory does not show here: steal is a floor on the disturbance.
+host ran something else. Contention for the caches and memory does not show there; the read bandwidth
+measured just before a server starts and just after it stops (nothing of the bench running) does.
+A repetition far below its siblings, with steal beside it or the bandwidth down, was the machine's,
+not the server's (the 2-core Zen 3 VM of 2026-12-07 spread 128-192 tok/s within minutes, its FMA rate
+steady and our linears' GFLOPS not).
 
     cpu  user nice system idle iowait irq softirq steal guest guest_nice     (/proc/stat, jiffies)
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,3 +50,18 @@ def steal_pct(before: CpuTimes | None, after: CpuTimes | None) -> float | None:
     if before is None or after is None or after.total <= before.total:
         return None
     return round(100 * (after.steal - before.steal) / (after.total - before.total), 1)
+
+
+def read_gb_s(num_bytes: int = 256 * 1024**2, passes: int = 5) -> float:
+    """The memory's read bandwidth now, GB/s: a sum over ``num_bytes`` of float32 (far past any cache),
+    the median of ``passes`` (not the best: a neighbour's share is what this is for); one decimal."""
+    import torch  # lazy: the bench's client imports it only once a model is pulled
+
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src.sum()  # first touch: page faults are not bandwidth
+    times = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        src.sum()
+        times.append(time.perf_counter() - start)
+    return round(num_bytes / statistics.median(times) / 1e9, 1)

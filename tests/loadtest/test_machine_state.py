@@ -1,7 +1,7 @@
 import sys
 from pathlib import Path
 
-from loadtest.cpu_steal import CpuTimes, cpu_times, steal_pct
+from loadtest.machine_state import CpuTimes, cpu_times, read_gb_s, steal_pct
 
 STAT = "cpu  {user} 0 {system} {idle} 0 0 0 {steal} {guest} 0\ncpu0 1 2 3 4 5 6 7 8 9 10\nintr 1\n"
 
@@ -34,3 +34,7 @@ def test_this_machine_reads() -> None:
     times = cpu_times()
     if sys.platform == "linux":
         assert times is not None and 0 <= times.steal < times.total
+
+
+def test_the_read_bandwidth_is_measured() -> None:
+    assert read_gb_s(16 * 1024**2, passes=3) > 0
