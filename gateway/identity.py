@@ -7,8 +7,8 @@
                                                        same checks; 400 when it names another tier than
                                                        X-SLA-Tier)
 
-Resolved once per request, before the body is read, so a caller without a valid key learns nothing
-about the request it sent. Error messages never echo the key.
+The key and the header are resolved once per request, before the body is read, so a caller without a
+valid key learns nothing about the request it sent. Error messages never echo the key.
 
 The tenant also fixes the request's prefix-cache salt: HMAC-SHA256 of the tenant's name under
 ``gateway.cache_salt_secret`` (a random key per process when unset). Workers hash KV blocks with it, so

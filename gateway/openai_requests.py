@@ -219,10 +219,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None  # refused: the deprecated form of tools
+    function_call: Any = None
     # OpenAI's processing tier (auto, default, flex, priority): a tier here (ServerConfig.service_tiers),
     # resolved by gateway.identity.with_service_tier; the response names the tier it ran at.
     service_tier: str | None = None
-    function_call: Any = None
 
     def check_supported(self) -> None:
         """Roles known, tools consistent; fields this server does not serve refused by name."""
