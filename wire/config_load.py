@@ -178,6 +178,8 @@ def _assign(var: str, tree: Any, segments: list[Segment], value: Any) -> None:
         if depth == len(segments) - 1:
             node[seg] = value
         else:
+            if node[seg] is None and isinstance(segments[depth + 1], str):
+                node[seg] = {}  # an optional table left unset (service_tiers): set one key of a new one
             node = node[seg]
 
 

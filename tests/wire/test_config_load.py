@@ -50,6 +50,14 @@ def test_env_replaces_a_whole_list_as_json_and_defaults_to_os_environ(
     assert [t.name for t in config.tiers] == ["only"]
 
 
+def test_env_sets_one_key_of_an_optional_table_left_unset() -> None:
+    config = load_config(env={"TIERSERVE_SERVICE_TIERS__FLEX": "standard"})
+    assert config.service_tiers == {"flex": "standard"}
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"TIERSERVE_SERVICE_TIERS__FLEX": "gold"})
+    assert (info.value.key, info.value.env_var) == ("service_tiers.flex", "TIERSERVE_SERVICE_TIERS__FLEX")
+
+
 def test_tierserve_config_names_the_file() -> None:
     config = load_config(env={"TIERSERVE_CONFIG": str(EXAMPLE)})
     assert config.tenants[0].name == "chat-frontend"
