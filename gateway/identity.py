@@ -86,7 +86,9 @@ def with_service_tier(config: ServerConfig, identity: Identity, service_tier: st
     try:
         config.resolve_tier(identity.tenant, tier.name)
     except TierNotAllowedError as exc:
-        raise APIError(403, str(exc), param=SERVICE_TIER, code="tier_not_allowed") from None
+        raise APIError(
+            403, f"service_tier {service_tier!r}: {exc}", param=SERVICE_TIER, code="tier_not_allowed"
+        ) from None
     return dataclasses.replace(identity, tier=tier)
 
 

@@ -154,6 +154,7 @@ def test_service_tier_refuses(given: Headers, service_tier: str, status: int, co
     with pytest.raises(APIError) as raised:
         with_service_tier(KEYED, identify(KEYED, given), service_tier)
     assert (raised.value.status, raised.value.code, raised.value.param) == (status, code, "service_tier")
+    assert repr(service_tier) in raised.value.message  # the value the client sent, named back
 
 
 def test_service_tiers_follow_the_config_and_name_the_tier_back() -> None:
