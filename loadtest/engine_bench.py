@@ -18,13 +18,13 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from loadtest.machine_state import pass_time, read_gb_s
 from wire.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.cpu_isa import probe
@@ -157,23 +157,13 @@ def copy_bandwidth_gb_s(num_bytes: int = 512 * 1024**2, repeats: int = 5) -> flo
     """Memory bandwidth as a plain copy measures it: bytes copied per second (memcpy convention)."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return num_bytes / _best_time(lambda: dst.copy_(src), repeats) / 1e9
+    return num_bytes / pass_time(lambda: dst.copy_(src), repeats) / 1e9
 
 
 def read_bandwidth_gb_s(num_bytes: int = 512 * 1024**2, repeats: int = 5) -> float:
-    """Read-only bandwidth: bytes summed per second (a reduction reads and writes almost nothing)."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return num_bytes / _best_time(lambda: src.sum(), repeats) / 1e9
-
-
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # first touch: page faults are not bandwidth
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    """Read-only bandwidth: bytes summed per second (a reduction reads and writes almost nothing), the
+    best of ``repeats``."""
+    return read_gb_s(num_bytes, repeats, min)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -9,12 +9,15 @@ not the server's (the 2-core Zen 3 VM of 2026-12-07 spread 128-192 tok/s within 
 steady and our linears' GFLOPS not).
 
     cpu  user nice system idle iowait irq softirq steal guest guest_nice     (/proc/stat, jiffies)
+
+The bandwidth's timing (``pass_time``) is also the engine bench's, whose roofline takes the best pass.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,16 +55,28 @@ def steal_pct(before: CpuTimes | None, after: CpuTimes | None) -> float | None:
     return round(100 * (after.steal - before.steal) / (after.total - before.total), 1)
 
 
-def read_gb_s(num_bytes: int = 256 * 1024**2, passes: int = 5) -> float:
+Statistic = Callable[[list[float]], float]
+
+
+def read_gb_s(
+    num_bytes: int = 256 * 1024**2, passes: int = 5, statistic: Statistic = statistics.median
+) -> float:
     """The memory's read bandwidth now, GB/s: a sum over ``num_bytes`` of float32 (far past any cache),
-    the median of ``passes`` (not the best: a neighbour's share is what this is for); one decimal."""
+    timed ``passes`` times; the median by default (a neighbour's share is what the bench reads it for),
+    ``min`` for what the machine can do (engine_bench's roofline)."""
     import torch  # lazy: the bench's client imports it only once a model is pulled
 
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
-    src.sum()  # first touch: page faults are not bandwidth
+    return num_bytes / pass_time(src.sum, passes, statistic) / 1e9
+
+
+def pass_time(fn: Callable[[], object], passes: int, statistic: Statistic = min) -> float:
+    """``statistic`` of ``passes`` timings of ``fn``, after one untimed call (first touch: page faults
+    are not bandwidth), s."""
+    fn()
     times = []
     for _ in range(passes):
         start = time.perf_counter()
-        src.sum()
+        fn()
         times.append(time.perf_counter() - start)
-    return round(num_bytes / statistics.median(times) / 1e9, 1)
+    return statistic(times)

@@ -156,7 +156,7 @@ class _Bench:
             progress(f"{name}: {result.error}")
             return
         result.dtype = launch.dtype
-        before = read_gb_s() if probe else None
+        before = round(read_gb_s(), 1) if probe else None
         progress(f"{name}: starting ({launch.dtype})")
         started, ready_s = time.monotonic(), None
         try:
@@ -168,7 +168,7 @@ class _Bench:
                 progress(f"{name}: ready in {ready_s:g} s ({result.isa})")
                 phases(server.base_url, result)
             if before is not None:
-                after = read_gb_s()
+                after = round(read_gb_s(), 1)
                 result.read_gb_s_around = (before, after)
                 progress(f"{name}: read bandwidth {before:g} GB/s before it, {after:g} after")
         except Exception as exc:
