@@ -4,7 +4,8 @@ Requests decode straight from the body bytes (``decode_chat`` / ``decode_complet
 becomes :class:`~wire.errors.InvalidRequestError` naming the field, as the client wrote it. A
 top-level field the server does not know is a 400 naming it, as OpenAI's own API answers
 ("Unrecognized request argument"): nothing a client asks for is dropped without a word. Known
-fields accepted with no effect on the answer: ``user``, ``metadata``, ``store: false``, and the legacy
+fields accepted with no effect on the answer: ``user``, ``metadata``, ``store: false``, the chat
+endpoint's ``prompt_cache_key``, ``safety_identifier`` and ``modalities: ["text"]``, and the legacy
 ``echo: false``, ``suffix`` empty, ``best_of`` equal to ``n``; any other value of them, and the
 deprecated ``functions`` and ``function_call``, is refused by name; so is an unknown key of
 ``structured_outputs`` or ``response_format``. Inside the messages, tools and ``stream_options``,
@@ -223,6 +224,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     # OpenAI's processing tier (auto, default, flex, priority): a tier here (ServerConfig.service_tiers),
     # resolved by gateway.identity.with_service_tier; the response names the tier it ran at.
     service_tier: str | None = None
+    # OpenAI's successors of ``user``: accepted, no effect. Routing finds a prompt's cached prefix by its
+    # blocks' hashes (policies/prefix_routing.py), which a key could only approximate; no abuse signal
+    # leaves this server.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[str] | None = None  # the output kinds: only text is served
 
     def check_supported(self) -> None:
         """Roles known, tools consistent; fields this server does not serve refused by name."""
@@ -231,6 +238,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             if getattr(self, name) is not None:
                 raise InvalidRequestError(name, "is deprecated and not served: send tools and tool_choice")
         self.check_no_op_fields()
+        if self.modalities is not None and self.modalities != ["text"]:
+            sent = msgspec.json.encode(self.modalities).decode()
+            raise InvalidRequestError("modalities", f'only ["text"] is served, got {sent}')
         self.structured_output()  # a forced call conflicts with another structured output
 
     def tool_spec(self) -> ToolSpec | None:

@@ -328,8 +328,19 @@ def test_an_unknown_field_is_a_400_naming_it_and_no_op_fields_pass(client: opena
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="mock", prompt="Once", max_tokens=3, echo=True)
     assert "echo" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="mock", messages=MSG, max_tokens=3, modalities=["text", "audio"])
+    assert "modalities" in str(info.value)
     completion = client.chat.completions.create(
-        model="mock", messages=MSG, max_tokens=3, user="u-1", metadata={"run": "7"}, store=False
+        model="mock",
+        messages=MSG,
+        max_tokens=3,
+        user="u-1",
+        metadata={"run": "7"},
+        store=False,
+        prompt_cache_key="agent-7",
+        safety_identifier="4f1c",
+        modalities=["text"],
     )
     assert completion.usage is not None and completion.usage.completion_tokens == 3
 

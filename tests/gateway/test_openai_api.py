@@ -115,6 +115,9 @@ def test_decode_errors_name_the_field(body: bytes, field: str) -> None:
         (decode_chat, chat_body(some_future_field={"x": 1}), "some_future_field"),
         (decode_completion, b'{"model": "m", "prompt": "x", "service_tier": "flex"}', "service_tier"),
         (decode_chat, chat_body(store=True), "store"),
+        (decode_chat, chat_body(modalities=["text", "audio"]), "modalities"),
+        (decode_chat, chat_body(modalities=[]), "modalities"),
+        (decode_completion, b'{"model": "m", "prompt": "x", "prompt_cache_key": "k"}', "prompt_cache_key"),
         (
             decode_chat,
             chat_body(structured_outputs={"regex": "a+", "disable_any_whitespace": True}),
@@ -172,6 +175,9 @@ def test_fields_that_change_nothing_are_accepted() -> None:
             user="u-1",
             metadata={"run": "7"},
             store=False,
+            prompt_cache_key="agent-7",
+            safety_identifier="4f1c",
+            modalities=["text"],
             stream_options={"include_usage": True, "include_obfuscation": False},
         )
     )
