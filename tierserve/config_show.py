@@ -2,8 +2,10 @@
 
 Defaults, then the file (``--config``, else ``$TIERSERVE_CONFIG``), then ``TIERSERVE_*`` variables, as
 ``serve`` loads them; each policy's parameters are filled in with the policy's own defaults. What the
-output says in comments: where it came from, how to switch the tiered policies off, and, for each tier,
-whether this machine can meet its targets (``tierserve.feasibility``), when a worker has measured it.
+output says in comments: where it came from, what OpenAI's ``service_tier`` picks while ``service_tiers``
+is unset (the default mapping follows the tiers), how to switch the tiered policies off, and, for each
+tier, whether this machine can meet its targets (``tierserve.feasibility``), when a worker has measured
+it.
 """
 
 from __future__ import annotations
@@ -58,8 +60,13 @@ def render(config: ServerConfig, *, source: str | None = None, floors: Path | No
             kind, selection.name, selection.params, allow_plugins=config.policies.allow_plugins
         )
     where = f"defaults < {source} < TIERSERVE_* variables" if source else "defaults < TIERSERVE_* variables"
+    header = [f"tierserve's effective configuration ({where}), from `tierserve config show`."]
+    if config.service_tiers is None:  # left out as None; the mapping it stands for, in words
+        mapping = ", ".join(f"{name} -> {tier}" for name, tier in config.service_tier_map().items())
+        header.append(f"service_tiers unset: OpenAI's service_tier maps {mapping}")
+        header.append("(the most urgent tier, default_tier, the least urgent; docs/configuration.md).")
     comments: dict[str, tuple[str, ...]] = {
-        "": (f"tierserve's effective configuration ({where}), from `tierserve config show`.",),
+        "": tuple(header),
         "policies": POLICIES_NOTE,
     }
     comments.update(tier_notes(config, floors))

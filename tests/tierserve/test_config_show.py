@@ -30,6 +30,9 @@ def test_show_prints_what_serve_would_load_with_every_policy_parameter(tmp_path:
     assert tree["policies"]["ordering"]["name"] == "tiered"  # tier-aware by default
     assert 'ordering = "fcfs", budget = "static"' in shown  # and the way back, in a comment
     assert "no step floor measured yet" in shown
+    # service_tiers unset: the mapping it stands for, in a comment (loading the output keeps it unset).
+    assert "priority -> interactive, default -> standard, flex -> batch" in shown
+    assert "service_tiers" not in tree
     again = tmp_path / "again.toml"
     again.write_text(shown)
     # Loading what it printed gives the same configuration (its policy parameters now spelt out).
@@ -48,3 +51,10 @@ def test_show_says_which_tiers_this_machine_can_meet(tmp_path: Path) -> None:
     before, first, *rest = render(config, floors=tmp_path).split("[[tiers]]")
     assert "NOT feasible" in before and 'name = "interactive"' in first
     assert not any("NOT feasible" in block for block in (first, *rest))
+
+
+def test_a_service_tiers_table_is_shown_as_given() -> None:
+    config = load_config(None, env={"TIERSERVE_SERVICE_TIERS__FLEX": "standard"})
+    shown = render(config)
+    assert tomllib.loads(shown)["service_tiers"] == {"flex": "standard"}
+    assert "service_tiers unset" not in shown
