@@ -1,7 +1,7 @@
 """The HTTP front: the OpenAI endpoints, ``/v1/models[/NAME]``, ``/health``, ``/ready`` and ``/metrics``.
 
-Chat and completions take one path; what differs between them (decoding, prompts, response shapes) is
-an :class:`~gateway.endpoint.Endpoint`:
+Chat, completions and responses take one path; what differs between them (decoding, prompts, response
+shapes) is an :class:`~gateway.endpoint.Endpoint`:
 
     headers ─▶ identity (tenant, tier; 401/400/403) ─▶ body ─▶ endpoint.decode (service_tier may set
         the tier) ─▶ endpoint.prompts ─▶ placement and tokens, decided once (gateway/placement.py)
@@ -35,7 +35,7 @@ from starlette.routing import Route
 from gateway import errors, tokenize_api
 from gateway.completion import Choice, Job, respond
 from gateway.drain import DrainMiddleware
-from gateway.endpoint import CHAT, COMPLETIONS, Body, Endpoint
+from gateway.endpoint import CHAT, COMPLETIONS, RESPONSES, Body, Endpoint
 from gateway.errors import APIError
 from gateway.identity import Identity, identify, with_service_tier
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 BODY_DRAIN_FACTOR = 16  # read (and discard) up to this many times the limit, so the client sees the 413
-ENDPOINTS = (CHAT, COMPLETIONS)
+ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
 COMPLETION_PATHS = frozenset(endpoint.path for endpoint in ENDPOINTS)  # refused while draining; waited for
 CLIENT_CLOSED_REQUEST = 499  # never reaches anyone: the client is gone
 
@@ -168,8 +168,18 @@ def _classified(
 
 
 async def _complete(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> Response:
-    """Both completion endpoints: classified (identity, body, prompts, placement, tokens) in the
-    classify span, then admitted, run and answered by gateway/completion.py."""
+    """The completion endpoints: classified (identity, body, prompts, placement, tokens) in the
+    classify span, then admitted, run and answered by gateway/completion.py. An error names the field
+    as the endpoint's API does."""
+    try:
+        return await _run(request, gateway, endpoint)
+    except APIError as exc:
+        if exc.param is None or endpoint.field_name(exc.param) == exc.param:
+            raise
+        raise exc.naming(endpoint.field_name(exc.param)) from None
+
+
+async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> Response:
     limits = gateway.config.gateway
     server_span = trace.get_current_span()  # telemetry/http.py's, or a no-op one
     with gateway.telemetry.tracer.start_as_current_span(attr.CLASSIFY) as span:
@@ -184,15 +194,13 @@ async def _complete(request: Request, gateway: Gateway, endpoint: Endpoint[Body]
             gateway, parsed.model, identity.tier, prompts, seats=seats
         )
         texts = gateway.token_texts(placement.model) if endpoint.wants_logprobs(parsed) else None
-        request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        request_id = f"{endpoint.id_prefix}{uuid.uuid4().hex}"
         tool_spec = endpoint.tool_spec(parsed)
         if tool_spec is not None:  # read the answer as the placed model's template taught it
             call_format = gateway.builder(placement.model).call_format
             tool_spec = dataclasses.replace(tool_spec, answer_format=call_format)
         service_tier = gateway.config.service_tier_name(identity.tier)
-        renderer = endpoint.renderer(
-            request_id, placement.model, parsed.include_usage, texts, tool_spec, service_tier
-        )
+        renderer = endpoint.renderer(parsed, request_id, placement.model, texts, tool_spec, service_tier)
         _classified(gateway, span, identity, placement, prompt_ids)
         if gateway.telemetry.capture_content:
             server_span.set_attribute(attr.GEN_AI_INPUT_MESSAGES, json.dumps(prompts.content))

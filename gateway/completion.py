@@ -32,7 +32,7 @@ from gateway.errors import APIError
 from gateway.identity import Identity
 from gateway.openai_api import ChoiceResult, Renderer, UsageInfo, finish_reason
 from gateway.request_stream import DispatchError, RequestStream
-from gateway.sse import DONE, ClientDisconnected, EventStreamResponse, event, until_disconnect
+from gateway.sse import ClientDisconnected, EventStreamResponse, until_disconnect
 from gateway.state import Gateway
 from telemetry import attributes as attr
 from telemetry import inject
@@ -261,9 +261,8 @@ class _Run:
         status = CLIENT_GONE  # unless we get to the end
         try:
             for choice in self.job.choices:
-                opening = renderer.opening(choice.index)
-                if opening is not None:
-                    yield event(opening)
+                for payload in renderer.opening(choice.index):
+                    yield renderer.frame(payload)
             try:
                 async for index, delta in streams:
                     self._on_delta(index, delta)
@@ -271,17 +270,19 @@ class _Run:
                         self.progress[index].text.append(delta.text)
                     usage = self.usage() if self.job.continuous_usage else None
                     for chunk in renderer.chunks(self.job.choices[index].index, delta, usage):
-                        yield event(chunk)
+                        yield renderer.frame(chunk)
                     if self._done():
                         break
-                if renderer.include_usage:
-                    yield event(renderer.usage_chunk(self.usage()))
+                for payload in renderer.closing(self.usage()):
+                    yield renderer.frame(payload)
                 status = "200"
             except (DispatchError, APIError) as exc:
                 failure = _as_api_error(exc)
                 status = str(failure.status)
-                yield event(failure.body())
-            yield DONE
+                for payload in renderer.failure(failure.body(), failure.status):
+                    yield renderer.frame(payload)
+            if renderer.done:
+                yield renderer.done
         finally:
             await streams.aclose()
             self.finish(status)

@@ -1,9 +1,13 @@
-"""What differs between ``/v1/chat/completions`` and ``/v1/completions``, as data; the rest is one path.
+"""What differs between ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``, as data;
+the rest is one path.
 
     body ─▶ decode ─▶ Prompts (chat: the messages, one prompt; completions: texts or token ids, one or more)
-         ─▶ tokenize(builder of the placed model) ─▶ renderer (chat.completion or text_completion shapes)
+         ─▶ tokenize(builder of the placed model) ─▶ renderer (chat.completion, text_completion or
+            response shapes)
 
-gateway/app.py runs both through one handler, gateway/placement.py places both the same way.
+The Responses API decodes into the chat request it stands for (gateway/responses_requests.py), so it
+takes the chat prompts; only its renderer and the names its errors give fields differ. gateway/app.py
+runs all three through one handler, gateway/placement.py places them the same way.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from gateway.openai_requests import (
     decode_chat,
     decode_completion,
 )
+from gateway.responses_api import renderer as responses_renderer
+from gateway.responses_requests import ResponsesChat, decode_responses, responses_field
 from gateway.tokenizer import PromptBuilder, TemplateError, text_ids_async
 from gateway.tools import ToolSpec
 
-Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
+Body = TypeVar("Body", bound=ChatCompletionRequest | CompletionRequest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +52,14 @@ class Endpoint(Generic[Body]):
     decode: Callable[[bytes], Body]  # raises InvalidRequestError naming the field
     prompts: Callable[[Body, int], Prompts]  # at most that many prompts; raises InvalidRequestError
     wants_logprobs: Callable[[Body], bool]
-    # (id, model, usage?, logprob texts, the tools whose calls are parsed out of the text, the
+    # (body, id, model, logprob texts, the tools whose calls are parsed out of the text, the
     # service_tier the response names)
-    renderer: Callable[[str, str, bool, TokenTexts | None, ToolSpec | None, str | None], Renderer]
+    renderer: Callable[[Body, str, str, TokenTexts | None, ToolSpec | None, str | None], Renderer]
     tool_spec: Callable[[Body], ToolSpec | None]
     service_tier: Callable[[Body], str | None]  # OpenAI's service_tier field (the legacy API has none)
-    id_prefix: str  # of the response's id
+    id_prefix: str  # of the response's id, its separator included
     operation: str  # gen_ai.operation.name
+    field_name: Callable[[str], str] = str  # a field as this API names it, in errors (chat's name given)
 
 
 def chat_prompts(body: ChatCompletionRequest, max_prompts: int) -> Prompts:
@@ -86,25 +93,41 @@ def completion_prompts(body: CompletionRequest, max_prompts: int) -> Prompts:
     return Prompts("prompt", prompts, len(prompts), has_token_ids, tokenize)
 
 
-CHAT = Endpoint(
+CHAT: Endpoint[ChatCompletionRequest] = Endpoint(
     path="/v1/chat/completions",
     decode=decode_chat,
     prompts=chat_prompts,
     wants_logprobs=lambda body: body.logprobs,
-    renderer=ChatRenderer,
+    renderer=lambda body, request_id, model, texts, tools, tier: ChatRenderer(
+        request_id, model, body.include_usage, texts, tools, tier
+    ),
     tool_spec=lambda body: body.tool_spec(),
     service_tier=lambda body: body.service_tier,
-    id_prefix="chatcmpl",
+    id_prefix="chatcmpl-",
     operation="chat",
 )
-COMPLETIONS = Endpoint(
+COMPLETIONS: Endpoint[CompletionRequest] = Endpoint(
     path="/v1/completions",
     decode=decode_completion,
     prompts=completion_prompts,
     wants_logprobs=lambda body: body.logprobs is not None,  # the legacy API: a count, 0 included
-    renderer=CompletionRenderer,
+    renderer=lambda body, request_id, model, texts, tools, tier: CompletionRenderer(
+        request_id, model, body.include_usage, texts, tools, tier
+    ),
     tool_spec=lambda body: None,
     service_tier=lambda body: None,
-    id_prefix="cmpl",
+    id_prefix="cmpl-",
     operation="text_completion",
+)
+RESPONSES: Endpoint[ResponsesChat] = Endpoint(
+    path="/v1/responses",
+    decode=decode_responses,
+    prompts=chat_prompts,
+    wants_logprobs=lambda body: body.logprobs,
+    renderer=responses_renderer,
+    tool_spec=lambda body: body.tool_spec(),
+    service_tier=lambda body: body.service_tier,
+    id_prefix="resp_",
+    operation="chat",
+    field_name=responses_field,
 )

@@ -62,6 +62,13 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def naming(self, param: str) -> APIError:
+        """The same error naming its field ``param`` (another API's name for it), in the message too."""
+        message = self.message
+        if self.param is not None and message.startswith(self.param):
+            message = param + message[len(self.param) :]
+        return APIError(self.status, message, param=param, code=self.code, headers=self.headers)
+
     def body(self) -> ErrorBody:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return ErrorBody(error=ErrorDetail(message=self.message, type=kind, param=self.param, code=self.code))

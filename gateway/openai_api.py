@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 
@@ -19,6 +19,9 @@ from gateway.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts, chat_
 from gateway.tool_calls import AnswerParser, ParsedCall, answer_parser, parse_whole
 from gateway.tools import ToolSpec
 from wire.messages import TokenDelta, TokenLogprob, Usage
+
+if TYPE_CHECKING:
+    from gateway.errors import ErrorBody
 
 # ---------------------------------------------------------------- responses
 
@@ -175,10 +178,13 @@ class ChoiceResult:
 
 
 class Renderer(Protocol):
-    request_id: str
-    include_usage: bool
+    """A stream is ``opening`` of each choice, ``chunks`` as tokens come, ``closing`` once every choice
+    has finished (or ``failure`` instead, where the request failed midway), each payload framed by
+    ``frame``, then ``done``; a whole answer is ``whole``."""
 
-    def opening(self, index: int) -> object | None:
+    request_id: str
+
+    def opening(self, index: int) -> list[object]:
         """What a stream sends for choice ``index`` before its first token (chat: the role)."""
         ...
 
@@ -187,12 +193,53 @@ class Renderer(Protocol):
         ``usage``, where given, on each of them (vLLM's ``continuous_usage_stats``)."""
         ...
 
-    def usage_chunk(self, usage: UsageInfo) -> object: ...
+    def closing(self, usage: UsageInfo) -> list[object]:
+        """What a stream sends after every choice's last token (chat: the usage chunk, if asked for)."""
+        ...
+
+    def failure(self, error: ErrorBody, status: int) -> list[object]:
+        """What a stream sends in place of the rest when the request fails midway."""
+        ...
+
+    def frame(self, payload: object) -> bytes:
+        """One payload as a server-sent event."""
+        ...
+
+    @property
+    def done(self) -> bytes:
+        """What a stream ends with, after the last event (chat: ``data: [DONE]``)."""
+        ...
 
     def whole(self, choices: Sequence[ChoiceResult], usage: UsageInfo) -> object: ...
 
 
-class ChatRenderer:
+DONE = b"data: [DONE]\n\n"
+
+
+class DataEvents:
+    """The Chat Completions and legacy Completions APIs' streams: unnamed ``data:`` events, the usage
+    chunk last when asked for, an error as its error body, then ``[DONE]``."""
+
+    include_usage: bool
+
+    def usage_chunk(self, usage: UsageInfo) -> object:
+        raise NotImplementedError
+
+    def closing(self, usage: UsageInfo) -> list[object]:
+        return [self.usage_chunk(usage)] if self.include_usage else []
+
+    def failure(self, error: ErrorBody, status: int) -> list[object]:
+        return [error]
+
+    def frame(self, payload: object) -> bytes:
+        return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+    @property
+    def done(self) -> bytes:
+        return DONE
+
+
+class ChatRenderer(DataEvents):
     def __init__(
         self,
         request_id: str,
@@ -229,8 +276,8 @@ class ChatRenderer:
             return None
         return ChatLogprobs(content=chat_logprobs(self.texts, entries or ()))
 
-    def opening(self, index: int) -> object | None:
-        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    def opening(self, index: int) -> list[object]:
+        return [self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])]
 
     def chunks(self, index: int, delta: TokenDelta, usage: UsageInfo | None = None) -> list[object]:
         out: list[object] = []
@@ -257,7 +304,7 @@ class ChatRenderer:
             ]
             out.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas))], usage))
         if delta.finish_reason is not None:
-            reason = _with_calls(finish_reason(delta), [] if parser is None else parser.calls)
+            reason = with_calls(finish_reason(delta), [] if parser is None else parser.calls)
             out.append(
                 self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)], usage)
             )
@@ -286,7 +333,7 @@ class ChatRenderer:
             index=c.index,
             message=AssistantMessage(role="assistant", content=content, tool_calls=tool_calls or None),
             logprobs=self._logprobs(c.logprobs),
-            finish_reason=_with_calls(c.finish_reason, calls),
+            finish_reason=with_calls(c.finish_reason, calls),
         )
 
 
@@ -294,13 +341,13 @@ def _function(call: ParsedCall) -> FunctionCall:
     return FunctionCall(name=call.name, arguments=call.arguments)
 
 
-def _with_calls(reason: FinishReason | None, calls: Sequence[ParsedCall]) -> FinishReason | None:
+def with_calls(reason: FinishReason | None, calls: Sequence[ParsedCall]) -> FinishReason | None:
     """OpenAI's finish_reason for an answer that ended in tool calls: "tool_calls" when they are whole;
     a call cut short keeps the reason that cut it ("length", or "stop" for a stop string)."""
     return "tool_calls" if calls and calls[-1].whole and reason == "stop" else reason
 
 
-class CompletionRenderer:
+class CompletionRenderer(DataEvents):
     def __init__(
         self,
         request_id: str,
@@ -332,8 +379,8 @@ class CompletionRenderer:
         self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in result.tokens)
         return result
 
-    def opening(self, index: int) -> object | None:
-        return None  # text completions have no role chunk
+    def opening(self, index: int) -> list[object]:
+        return []  # text completions have no role chunk
 
     def chunks(self, index: int, delta: TokenDelta, usage: UsageInfo | None = None) -> list[object]:
         has_logprobs = self.texts is not None and bool(delta.logprobs)

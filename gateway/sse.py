@@ -1,4 +1,5 @@
-"""Server-sent events out, and noticing a client that went away, for streamed and collected answers alike.
+"""Server-sent events out (each API's framing: the renderers' ``frame``, gateway/openai_api.py and
+gateway/responses_api.py), and noticing a client that went away, for streamed and collected answers alike.
 
 Starlette's StreamingResponse only notices a gone client when a write fails, and on ASGI 2.4 servers it
 does not even close the generator then. Here a second task watches ``receive`` for ``http.disconnect``
@@ -13,20 +14,14 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import anyio
-import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
-DONE = b"data: [DONE]\n\n"
 
 
 class ClientDisconnected(Exception):
     """The client closed the connection before its answer was ready; nobody is left to answer."""
-
-
-def event(payload: object) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:

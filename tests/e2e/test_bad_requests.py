@@ -32,6 +32,7 @@ max_tier = "standard"
 """
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 MSG = [{"role": "user", "content": "hi"}]
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
@@ -53,6 +54,10 @@ def chat(**fields: object) -> dict[str, object]:
 
 def completion(**fields: object) -> dict[str, object]:
     return {"model": "mock", **fields}
+
+
+def response(**fields: object) -> dict[str, object]:
+    return {"model": "mock", "input": "hi", **fields}
 
 
 INVALID_UTF8 = b'{"model": "mock", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
@@ -282,6 +287,40 @@ BAD_REQUESTS: list[tuple[str, str, bytes | dict[str, object], dict[str, str], in
         "structured_outputs",
     ),
     ("unknown model", CHAT, chat(model="gpt-17"), {}, 404, "model"),
+    # The Responses API: the chat path's checks, naming this API's fields.
+    ("responses: no input", RESPONSES, {"model": "mock"}, {}, 400, "input"),
+    ("responses: past context", RESPONSES, response(max_output_tokens=5000), {}, 400, "max_output_tokens"),
+    ("responses: prompt past context", RESPONSES, response(input="x" * 5000), {}, 400, "input"),
+    ("responses: chained", RESPONSES, response(previous_response_id="r"), {}, 400, "previous_response_id"),
+    ("responses: store", RESPONSES, response(store=True), {}, 400, "store"),
+    (
+        "responses: image input",
+        RESPONSES,
+        response(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]),
+        {},
+        400,
+        "input[0].content[0].type",
+    ),
+    ("responses: hosted tool", RESPONSES, response(tools=[{"type": "web_search"}]), {}, 400, "tools[0].type"),
+    (
+        "responses: output for no call",
+        RESPONSES,
+        response(input=[{"type": "function_call_output", "call_id": "call_9", "output": "42"}]),
+        {},
+        400,
+        "input[0].tool_call_id",
+    ),
+    (
+        "responses: schema past the grammar's nesting",
+        RESPONSES,
+        response(text={"format": {"type": "json_schema", "name": "x", "schema": DEEP_SCHEMA}}),
+        {},
+        400,
+        "text.format.schema",
+    ),
+    ("responses: unknown model", RESPONSES, response(model="gpt-17"), {}, 404, "model"),
+    ("responses: tier above max", RESPONSES, response(service_tier="priority"), ACME, 403, "service_tier"),
+    ("responses: unknown field", RESPONSES, response(seed=1), {}, 400, "seed"),
     ("unknown tier", CHAT, chat(), {"x-sla-tier": "platinum"}, 400, "X-SLA-Tier"),
     ("service_tier not served", CHAT, chat(service_tier="scale"), {}, 400, "service_tier"),
     ("service_tier on the legacy API", COMPLETIONS, completion(service_tier="flex"), {}, 400, "service_tier"),

@@ -278,10 +278,10 @@ def test_chat_bodies_validate_as_openai_types() -> None:
     assert whole.usage is not None and whole.usage.total_tokens == 5
     middle = TokenDelta(request_id="r", epoch=0, text="he", usage=LAST.usage)
     chunks = [
-        renderer.opening(1),
+        *renderer.opening(1),
         *renderer.chunks(1, middle),
         *renderer.chunks(1, LAST),
-        renderer.usage_chunk(USAGE),
+        *renderer.closing(USAGE),
     ]
     parsed = [OpenAIChatCompletionChunk.model_validate(as_json(chunk)) for chunk in chunks]
     assert [c.choices[0].index for c in parsed[:3]] == [1, 1, 1]
