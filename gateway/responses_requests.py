@@ -363,6 +363,7 @@ _RENAMES = (
     ("max_completion_tokens", "max_output_tokens"),
     ("max_tokens", "max_output_tokens"),
     ("tool_choice.function", "tool_choice"),
+    ("logprobs", "top_logprobs"),  # the count of alternatives, which this API calls top_logprobs
 )
 _MESSAGE = re.compile(r"^messages(?:\[(\d+)\])?")
 _TOOL = re.compile(r"^tools\[(\d+)\]\.function")

@@ -191,6 +191,7 @@ def test_the_chat_path_s_field_names_are_renamed() -> None:
     assert responses_field("messages") == "input"
     assert responses_field("messages[1].content", ["instructions", "input[0]"]) == "input[0].content"
     assert responses_field("tools[2].function.parameters") == "tools[2].parameters"
+    assert responses_field("logprobs") == "top_logprobs"
     assert responses_field("temperature") == "temperature"
     error = APIError(400, "max_tokens: must be at least 1", param="max_tokens").naming("max_output_tokens")
     assert (error.message, error.param) == ("max_output_tokens: must be at least 1", "max_output_tokens")
