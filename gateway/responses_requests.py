@@ -23,6 +23,7 @@ its answer as a ``response`` object or as the API's stream of events::
     text.format text | json_object | json_schema {name, schema, strict}   → response_format
     max_output_tokens                    → max_completion_tokens
     include ["message.output_text.logprobs"], top_logprobs             → logprobs, top_logprobs
+    priority, ignore_eos (vLLM's extensions)                            → as on chat
 
 Keys inside items the server does not read pass (clients replay the ``output`` of an earlier response,
 with its ``id``, ``status`` and ``annotations``); an unknown top-level field is a 400, as on the chat
@@ -155,7 +156,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     previous_response_id: str | None = None
     conversation: Any = None
     reasoning: dict[str, Any] | None = None
-    priority: Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY - 1, le=MAX_PRIORITY)] = 0  # vLLM's, as on chat
+    # vLLM's extensions, as on chat: the order within the tier; generate to the limit (load tests)
+    priority: Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY - 1, le=MAX_PRIORITY)] = 0
+    ignore_eos: bool = False
 
     @property
     def wants_logprobs(self) -> bool:
@@ -218,6 +221,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             prompt_cache_key=self.prompt_cache_key,
             safety_identifier=self.safety_identifier,
             priority=self.priority,
+            ignore_eos=self.ignore_eos,
             origin=self,
         )
         try:

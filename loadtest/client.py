@@ -47,22 +47,24 @@ class RequestOptions:
 
 def api_url(base_url: str, api: Api) -> str:
     root = base_url.rstrip("/").removesuffix("/v1")
-    return f"{root}/v1/chat/completions" if api is Api.CHAT else f"{root}/v1/completions"
+    return root + api.path
 
 
 def request_body(spec: RequestSpec, model: str, options: RequestOptions) -> dict[str, object]:
-    body: dict[str, object] = {
-        "model": model,
-        "max_tokens": spec.max_tokens,
-        "temperature": options.temperature,
-    }
-    if options.api is Api.CHAT:
-        body["messages"] = spec.messages
+    body: dict[str, object] = {"model": model, "temperature": options.temperature}
+    if options.api is Api.RESPONSES:  # the usage comes in the last event, unasked
+        body["input"] = spec.messages
+        body["max_output_tokens"] = spec.max_tokens
     else:
-        body["prompt"] = spec.prompt
+        body["max_tokens"] = spec.max_tokens
+        if options.api is Api.CHAT:
+            body["messages"] = spec.messages
+        else:
+            body["prompt"] = spec.prompt
     if options.stream:
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        if options.api is not Api.RESPONSES:
+            body["stream_options"] = {"include_usage": True}
     if options.ignore_eos:
         body["ignore_eos"] = True
     if options.priorities is not None and spec.tier is not None and spec.tier in options.priorities:
@@ -154,9 +156,12 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, api: Api
             record.t_end = now
             if not isinstance(event, dict):
                 continue
-            if "error" in event:
-                _fail(record, Outcome.STREAM_ERROR, str(event["error"])[:_ERROR_SNIPPET], t0)
+            if "error" in event or event.get("type") in ("error", "response.failed"):
+                _fail(record, Outcome.STREAM_ERROR, str(event.get("error", event))[:_ERROR_SNIPPET], t0)
                 return
+            if api is Api.RESPONSES:
+                finished = _read_response_event(event, record, now) or finished
+                continue
             for choice in event.get("choices") or ():
                 text = choice.get("delta", {}).get("content") if api is Api.CHAT else choice.get("text")
                 if text:
@@ -169,14 +174,26 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, api: Api
         record.num_output_tokens = len(record.chunk_times)  # no usage: a text chunk per token
 
 
+def _read_response_event(event: dict[str, object], record: RequestRecord, now: float) -> bool:
+    """One Responses API event: text deltas timed; True for the last (its response has the usage)."""
+    kind = event.get("type")
+    if kind == "response.output_text.delta" and event.get("delta"):
+        record.chunk_times.append(now)
+    if kind not in ("response.completed", "response.incomplete"):
+        return False
+    response = event.get("response")
+    _read_usage(response.get("usage") if isinstance(response, dict) else None, record)
+    return True
+
+
 def _read_whole(data: bytes, record: RequestRecord, api: Api, t0: float) -> None:
     """Not streamed: the whole text arrives at once, so TTFT is the E2E latency."""
     now = time.perf_counter() - t0
     record.t_end = now
     body = _decode(data)
-    choices = body.get("choices") if isinstance(body, dict) else None
-    if not choices:
-        _fail(record, Outcome.STREAM_ERROR, "a 200 without choices", t0)
+    answer = body.get("output" if api is Api.RESPONSES else "choices") if isinstance(body, dict) else None
+    if not answer:
+        _fail(record, Outcome.STREAM_ERROR, "a 200 without an answer", t0)
         return
     record.chunk_times.append(now)
     _read_usage(body.get("usage"), record)
@@ -185,10 +202,12 @@ def _read_whole(data: bytes, record: RequestRecord, api: Api, t0: float) -> None
 
 
 def _read_usage(usage: object, record: RequestRecord) -> None:
+    """OpenAI's usage, as the chat and completions APIs write it or as the Responses API does."""
     if not isinstance(usage, dict):
         return
-    record.num_prompt_tokens = usage.get("prompt_tokens")
-    record.num_output_tokens = usage.get("completion_tokens")
-    details = usage.get("prompt_tokens_details")
+    responses = "input_tokens" in usage
+    record.num_prompt_tokens = usage.get("input_tokens" if responses else "prompt_tokens")
+    record.num_output_tokens = usage.get("output_tokens" if responses else "completion_tokens")
+    details = usage.get("input_tokens_details" if responses else "prompt_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         record.num_cached_tokens = details["cached_tokens"]

@@ -31,6 +31,17 @@ Message = dict[str, str]
 class Api(Enum):
     CHAT = "chat"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"  # OpenAI's Responses API: the chat messages as its input
+
+    @property
+    def takes_messages(self) -> bool:
+        return self is not Api.COMPLETIONS
+
+    @property
+    def path(self) -> str:
+        return {Api.CHAT: "/v1/chat/completions", Api.COMPLETIONS: "/v1/completions"}.get(
+            self, "/v1/responses"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,13 +160,13 @@ class Workload:
 
     def _measure(self, prefix: str, text: str) -> int:
         builder = self.tokenizer.builder
-        if self.api is Api.CHAT:
+        if self.api.takes_messages:
             return len(builder.chat_ids(self._messages(prefix, text)))
         return len(builder.text_ids(prefix + text))
 
     def _spec(self, index: int, prefix: str, text: str, num_out: int, tier: str | None) -> RequestSpec:
         measured = self._measure(prefix, text)
-        if self.api is Api.CHAT:
+        if self.api.takes_messages:
             return RequestSpec(index, self._messages(prefix, text), None, measured, num_out, tier)
         return RequestSpec(index, None, prefix + text, measured, num_out, tier)
 
@@ -168,7 +179,7 @@ class Workload:
         tier = tier if isinstance(tier, str) else None
         messages, prompt = _entry_body(entry, index)
         builder = self.tokenizer.builder
-        if self.api is Api.CHAT:
+        if self.api.takes_messages:
             chat = messages or [{"role": "user", "content": prompt or ""}]
             return RequestSpec(index, chat, None, len(builder.chat_ids(chat)), num_out, tier)
         if prompt is None:

@@ -115,6 +115,7 @@ def test_tools_choice_format_and_logprobs_map_to_the_chat_fields() -> None:
     assert decoded(text={"format": {"type": "text"}}).structured_output() is None
     logprobs = decoded(include=["message.output_text.logprobs"], top_logprobs=3).to_sampling(room=10)
     assert logprobs.logprobs == 3
+    assert decoded(ignore_eos=True).to_sampling(room=10).ignore_eos
     # Accepted with no effect, as on the chat endpoint.
     decoded(
         metadata={"run": "7"},

@@ -10,14 +10,20 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 import httpx
+import msgspec
 import pytest
 
+from gateway.errors import APIError
+from gateway.openai_api import ChoiceResult, UsageInfo
+from gateway.responses_api import ResponsesRenderer
+from gateway.responses_requests import decode_responses
 from loadtest.arrivals import ArrivalKind, ArrivalSpec
 from loadtest.client import RequestOptions, Target, request_body, send
 from loadtest.prompt_text import load_tokenizer
 from loadtest.records import Outcome, RequestRecord
 from loadtest.runner import Bounds, planned_requests, run_load
 from loadtest.workloads import Api, RequestSpec, Workload, WorkloadOptions
+from wire.messages import TokenDelta, Usage
 
 TARGET = Target("base", "http://127.0.0.1:9/v1", "m", default_tier="standard")
 SPEC = RequestSpec(0, [{"role": "user", "content": "hi"}], None, 12, 3, tier="interactive")
@@ -250,3 +256,50 @@ def test_compare_sends_the_same_requests_to_both() -> None:
     assert models == {"m": 10, "m2": 10}
     bodies = {(str(r["model"]), json.dumps(r["messages"])) for r in server.requests}
     assert {b for m, b in bodies if m == "m"} == {b for m, b in bodies if m == "m2"}
+
+
+def responses_answer(stream: bool, fail: bool = False) -> bytes:
+    """What the gateway's own Responses renderer sends for "a", "bc", then a cut (or a failure)."""
+    chat = decode_responses(json.dumps({"model": "m", "input": "hi"}).encode())
+    assert chat.origin is not None
+    renderer = ResponsesRenderer("resp_1", "m", chat.origin)
+    last = Usage(prompt_tokens=12, completion_tokens=3, cached_tokens=8)
+    usage = UsageInfo.total([last], [0])
+    if not stream:
+        return msgspec.json.encode(renderer.whole([ChoiceResult(0, "abc", [], "length")], usage))
+    deltas = [TokenDelta(request_id="r", epoch=0, text=t, usage=last) for t in ("a", "bc")]
+    payloads = [*renderer.opening(0), *(p for d in deltas for p in renderer.chunks(0, d))]
+    if fail:
+        payloads += renderer.failure(APIError(502, "worker lost", code="worker_lost").body(), 502)
+    else:
+        payloads += renderer.chunks(
+            0, TokenDelta(request_id="r", epoch=0, finish_reason="length", usage=last)
+        )
+        payloads += renderer.closing(usage)
+    return b"".join(renderer.frame(p) for p in payloads)
+
+
+def test_the_responses_api_is_timed_by_its_text_deltas_and_read_to_its_last_event() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=responses_answer(stream=True))
+
+    record = run_one(handler, options(Api.RESPONSES))
+    assert record.outcome is Outcome.OK and len(record.chunk_times) == 2
+    assert (record.num_prompt_tokens, record.num_output_tokens, record.num_cached_tokens) == (12, 3, 8)
+    assert seen[0].url == "http://127.0.0.1:9/v1/responses"
+    body = json.loads(seen[0].content)
+    assert (body["input"], body["max_output_tokens"], body["stream"]) == (SPEC.messages, 3, True)
+    assert "stream_options" not in body and "max_tokens" not in body and body["ignore_eos"] is True
+    whole = run_one(
+        lambda r: httpx.Response(200, content=responses_answer(stream=False)),
+        options(Api.RESPONSES, stream=False),
+    )
+    assert whole.outcome is Outcome.OK and (whole.num_prompt_tokens, whole.num_output_tokens) == (12, 3)
+    failed = run_one(
+        lambda r: httpx.Response(200, content=responses_answer(stream=True, fail=True)),
+        options(Api.RESPONSES),
+    )
+    assert failed.outcome is Outcome.STREAM_ERROR and "worker lost" in failed.error
