@@ -134,6 +134,28 @@ def test_one_trace_per_request_across_the_process_boundary(
     assert preempted >= 1 and resumed == preempted  # forced by the small cache; every victim came back
 
 
+def test_a_responses_api_request_is_one_trace_of_a_chat(traced_server: tuple[Server, OtlpCollector]) -> None:
+    """``/v1/responses`` runs the chat path: its server span says so, with the response's id."""
+    server, collector = traced_server
+    body = {"model": "mock", "input": "hi", "max_output_tokens": 5, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json=body, timeout=DEADLINE_S) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line.startswith("event: ")]
+    assert events[-1] == "event: response.incomplete"
+
+    def served(spans: list[CollectedSpan]) -> bool:
+        return any(s.kind == SERVER for s in spans) and any(s.name == attr.WORKER_REQUEST for s in spans)
+
+    spans = collector.wait_for(served, DEADLINE_S)
+    (root,) = [s for s in spans if s.kind == SERVER]
+    assert root.name == "POST /v1/responses" and root.attributes["http.route"] == "/v1/responses"
+    assert root.attributes[attr.GEN_AI_OPERATION_NAME] == "chat"
+    assert str(root.attributes[attr.GEN_AI_RESPONSE_ID]).startswith("resp_")
+    assert root.attributes[attr.GEN_AI_USAGE_OUTPUT_TOKENS] == 5
+    (dispatch,) = by_parent(spans, root, attr.DISPATCH)
+    assert by_parent(spans, dispatch, attr.WORKER_REQUEST)  # into the engine, in the same trace
+
+
 FAILOVER_CONFIG = """
 [gateway]
 heartbeat_timeout_s = 1.5
