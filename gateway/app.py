@@ -81,6 +81,11 @@ def create_app(gateway: Gateway) -> Starlette:
         gateway.builder(name)  # 404 model_not_found, naming the served ones
         return _json(ModelCard(id=name, created=gateway.started_at))
 
+    async def stored_response(request: Request) -> Response:
+        """OpenAI's retrieve, delete, cancel and input_items of a stored response: none is stored here."""
+        identify(gateway.config, request.headers)
+        raise errors.response_not_stored(request.path_params["rest"].split("/")[0])
+
     async def health(request: Request) -> Response:
         return Response("ok\n", media_type="text/plain")
 
@@ -124,6 +129,7 @@ def create_app(gateway: Gateway) -> Starlette:
             *(completion_route(endpoint) for endpoint in ENDPOINTS),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),  # names may hold "/" (org/name)
+            Route("/v1/responses/{rest:path}", stored_response, methods=["GET", "POST", "DELETE"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),

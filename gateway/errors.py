@@ -93,6 +93,15 @@ def unknown_model(model: str, served: list[str]) -> APIError:
     )
 
 
+def response_not_stored(response_id: str) -> APIError:
+    return APIError(
+        404,
+        f"response {response_id!r} is not stored here: the Responses API is served statelessly (store is "
+        "false), so no response can be retrieved, deleted, cancelled or listed",
+        code="not_found",
+    )
+
+
 def body_too_large(limit: int) -> APIError:
     return APIError(413, f"request body is larger than {limit} bytes", code="body_too_large")
 

@@ -154,3 +154,6 @@ def test_what_is_not_served_is_a_400_naming_it(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=DEFAULT_MODEL, input="hi", max_output_tokens=10**6)
     assert info.value.body["param"] == "max_output_tokens"  # type: ignore[index]
+    for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel):
+        with pytest.raises(openai.NotFoundError, match="not stored here"):
+            call("resp_1")
