@@ -263,7 +263,8 @@ class ResponsesRenderer:
                 rest, more = self._parser.finish()
                 text, calls = text + rest, calls + more
         out: list[object] = []
-        if text or (self.texts is not None and delta.logprobs and not calls):
+        # Logprobs alone (no text yet) open the message only where no call can be in the making.
+        if text or (self.texts is not None and delta.logprobs and self._parser is None):
             out += self._text(text, delta.logprobs)
         for call in calls:
             out += self._close_message()

@@ -357,3 +357,19 @@ def test_a_failure_midway_ends_the_stream_with_error_and_response_failed() -> No
     failed = events[-1].response
     assert failed.status == "failed" and failed.error.code == "server_error" and failed.output_text == "He"
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_logprobs_with_tools_open_no_message_for_a_call() -> None:
+    """Tokens held back while they may become a call carry logprobs, but no text: the stream's output
+    is the call alone, as the whole answer's is."""
+    texts = TokenTexts({1: b"<tool_call>"}.__getitem__)
+    chat = decoded(tools=[PING], tool_choice="required", include=["message.output_text.logprobs"])
+    entry = [TokenLogprob(token_id=1, logprob=-0.1, top=[])]
+    events = stream(
+        renderer(chat, texts), [delta("<tool_call>", logprobs=entry), delta(CALL[11:], finish="stop")]
+    )
+    assert [item.type for item in events[-1].response.output] == ["function_call"]
+    whole = OpenAIResponse.model_validate(
+        as_json(renderer(chat, texts).whole([ChoiceResult(0, CALL, entry, "stop")], USAGE))
+    )
+    assert [item.type for item in whole.output] == ["function_call"]
