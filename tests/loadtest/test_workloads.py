@@ -31,7 +31,7 @@ def test_prompt_lengths_are_exact(tokenizer: PromptTokenizer, name: str, api: Ap
     lengths = set()
     for i in range(25):
         spec = workload.request(i)
-        if api is Api.CHAT:
+        if api.takes_messages:  # chat, and the Responses API (the messages as its input)
             assert spec.messages is not None and spec.prompt is None
             measured = len(tokenizer.builder.chat_ids(spec.messages))
         else:
