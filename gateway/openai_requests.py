@@ -341,21 +341,36 @@ def decode_body(body: bytes, kind: type[T]) -> T:
                 raise
             return msgspec.json.decode(stripped, type=kind)
     except msgspec.ValidationError as exc:
-        message = str(exc)
-        unknown, path = _UNKNOWN.search(message), _PATH.search(message)
-        if unknown is not None:  # "structured_outputs.x", or "x" at the top
-            field = ".".join(part for part in (path.group(1) if path else "", unknown.group(1)) if part)
-            raise InvalidRequestError(
-                field, "unrecognized request argument: this server does not serve it"
-            ) from None
-        match = path or _MISSING.search(message)
-        # The path as the client wrote it ("messages[0].content"); the body itself when at the top.
-        field = match.group(1) if match and match.group(1) else "body"
-        raise InvalidRequestError(field, message) from None
+        raise invalid_field(exc) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidRequestError("body", "nested too deeply") from None
+
+
+def invalid_field(exc: msgspec.ValidationError, within: str = "") -> InvalidRequestError:
+    """msgspec's complaint naming the field as the client wrote it (``messages[0].content``), under
+    ``within`` for a value taken from inside the body; an unknown key is an unrecognized argument."""
+    message = str(exc)
+    unknown, path = _UNKNOWN.search(message), _PATH.search(message)
+    where = path.group(1) if path else ""
+    if unknown is not None:  # "structured_outputs.x", or "x" at the top
+        return InvalidRequestError(
+            _field_path(within, where, unknown.group(1)),
+            "unrecognized request argument: this server does not serve it",
+        )
+    if where or within:  # the object holding the bad or missing field
+        return InvalidRequestError(_field_path(within, where), message)
+    missing = _MISSING.search(message)  # at the top: the field itself; else the body
+    return InvalidRequestError(missing.group(1) if missing else "body", message)
+
+
+def _field_path(*parts: str) -> str:
+    """Path pieces joined as written: ``input[0]`` + ``content[1].text``, ``tools[0]`` + ``[2]``."""
+    out = ""
+    for part in filter(None, parts):
+        out += part if not out or part.startswith("[") else "." + part
+    return out
 
 
 def _without_top_level_nulls(body: bytes) -> bytes | None:

@@ -45,6 +45,7 @@ from gateway.openai_requests import (
     JsonSchemaFormat,
     ResponseFormat,
     decode_body,
+    invalid_field,
 )
 from gateway.tools import (
     NAME_PATTERN,
@@ -328,18 +329,12 @@ def decode_responses(body: bytes) -> ResponsesChat:
     return request.to_chat()
 
 
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
-
-
 def _convert(value: object, kind: type[msgspec.Struct], field: str) -> Any:
     """``value`` as ``kind``; InvalidRequestError naming the path under ``field`` that does not fit."""
     try:
         return msgspec.convert(value, kind)
     except msgspec.ValidationError as exc:
-        match = _PATH.search(str(exc))
-        path = match.group(1) if match else ""
-        where = f"{field}.{path}" if path and not path.startswith("[") else f"{field}{path}"
-        raise InvalidRequestError(where, str(exc).split(" - at ")[0]) from None
+        raise invalid_field(exc, field) from None
 
 
 def _text(content: str | Sequence[Part], field: str, key: str = "content") -> str:

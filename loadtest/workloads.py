@@ -39,9 +39,14 @@ class Api(Enum):
 
     @property
     def path(self) -> str:
-        return {Api.CHAT: "/v1/chat/completions", Api.COMPLETIONS: "/v1/completions"}.get(
-            self, "/v1/responses"
-        )
+        return _PATHS[self]
+
+
+_PATHS = {
+    Api.CHAT: "/v1/chat/completions",
+    Api.COMPLETIONS: "/v1/completions",
+    Api.RESPONSES: "/v1/responses",
+}
 
 
 @dataclass(frozen=True, slots=True)

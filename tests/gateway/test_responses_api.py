@@ -169,6 +169,7 @@ def test_tools_choice_format_and_logprobs_map_to_the_chat_fields() -> None:
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
         ({"tools": [PING, PING]}, "tools[1].name"),
+        ({"tools": [{**PING, "colour": 1}]}, "tools[0].colour"),
         ({"tools": [PING], "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
         ({"tools": [PING], "tool_choice": {"type": "function", "name": "pong"}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
