@@ -94,12 +94,14 @@ class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
-class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The chosen token's logprob and, when asked for, the top alternatives as (token_id, logprob)."""
+class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """The chosen token's logprob and, when asked for, the top alternatives as (token_id, logprob); a
+    scored prompt token's rank among the vocabulary (1: the most likely)."""
 
     token_id: int
     logprob: float
     top: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)] = []
+    rank: int | None = None
 
 
 class TokenDelta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -115,6 +117,11 @@ class TokenDelta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_DELTA_TOKENS)] = []
     text: Annotated[str, msgspec.Meta(max_length=MAX_DELTA_TEXT_CHARS)] = ""
     logprobs: Annotated[list[TokenLogprob], msgspec.Meta(max_length=MAX_DELTA_TOKENS)] | None = None
+    # A scored prompt's (``SamplingParams.prompt_logprobs``): the logprobs of its tokens from position
+    # ``prompt_position`` on (1 or more: the first token has none), a prefill chunk's worth a delta,
+    # before the first token's. A request moved to another worker is scored again from position 1.
+    prompt_logprobs: Annotated[list[TokenLogprob], msgspec.Meta(max_length=MAX_DELTA_TOKENS)] | None = None
+    prompt_position: int = 0
     finish_reason: FinishReason | None = None
     error: Text | None = None  # set with finish_reason "error": our fault, logged, 500 for this request
     usage: Usage
@@ -236,7 +243,7 @@ class Submit(_Message, tag="submit", frozen=True, kw_only=True):
         self.sampling.validate(
             vocab_size=vocab_size, max_model_len=max_model_len, num_prompt_tokens=len(self.prompt_token_ids)
         )
-        if len(self.resumed_token_ids) >= self.sampling.max_tokens:
+        if self.resumed_token_ids and len(self.resumed_token_ids) >= self.sampling.max_tokens:
             raise InvalidRequestError(
                 "resumed_token_ids",
                 f"{len(self.resumed_token_ids)} tokens already generated of max_tokens "

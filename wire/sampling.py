@@ -21,6 +21,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
     ``temperature == 0`` means greedy. ``logprobs`` is the number of top alternatives to
     return per generated token (``None``: no logprobs; 0: only the chosen token's).
+    ``prompt_logprobs``: likewise for each prompt token after the first, its logprob given the tokens
+    before it (the prompt is scored: computed whole, none of it read from the prefix cache); with it,
+    ``max_tokens`` may be 0 (the prompt scored, nothing generated: the legacy API's ``echo``).
     ``logit_bias``: (token id, bias) pairs added to the logits before anything else, each bias in
     [-100, 100] (OpenAI's: -100 bans a token, 100 all but forces it).
     """
@@ -35,6 +38,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -51,7 +55,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
     def validate(self, *, vocab_size: int, max_model_len: int, num_prompt_tokens: int) -> None:
         """Raise :class:`InvalidRequestError` naming the first field out of range."""
-        _require(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: only the prompt, scored
+        _require(self.max_tokens >= least, "max_tokens", f"must be at least {least}, got {self.max_tokens}")
         room = max_model_len - num_prompt_tokens
         _require(
             self.max_tokens <= room,
@@ -83,6 +88,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
             "logprobs",
             f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}",
+        )
+        _require(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+            "prompt_logprobs",
+            f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}",
         )
         _require(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
         _require(all(self.stop), "stop", "stop strings must not be empty")

@@ -16,6 +16,7 @@ from worker.devices import describe_device
 from worker.engine import Engine
 from worker.models.store import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES, QUANTIZED_DEFAULT_ALIASES
 from worker.outputs import RequestOutput
+from worker.sampler import TokenLogprobs
 
 
 def model_name_of(model: str) -> str:
@@ -31,10 +32,9 @@ def token_delta(output: RequestOutput, epoch: int) -> TokenDelta:
         epoch=epoch,
         token_ids=output.new_token_ids,
         text=output.text_delta,
-        logprobs=[
-            TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top) for lp in output.logprobs
-        ]
-        or None,
+        logprobs=_wire_logprobs(output.logprobs),
+        prompt_logprobs=_wire_logprobs(output.prompt_logprobs),
+        prompt_position=output.prompt_position,
         finish_reason=output.finish_reason.value if output.finish_reason is not None else None,
         error=output.error[:MAX_MESSAGE_CHARS] if output.error is not None else None,
         usage=Usage(
@@ -43,6 +43,12 @@ def token_delta(output: RequestOutput, epoch: int) -> TokenDelta:
             cached_tokens=output.num_cached_tokens,
         ),
     )
+
+
+def _wire_logprobs(entries: Sequence[TokenLogprobs]) -> list[TokenLogprob] | None:
+    return [
+        TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top, rank=lp.rank) for lp in entries
+    ] or None
 
 
 def worker_stats(engine: Engine, step_time_ema_ms: float, num_steps: int, kv_events_seq: int) -> WorkerStats:

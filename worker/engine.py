@@ -25,6 +25,7 @@ from worker.model_runner import StepRunner
 from worker.models.config import ModelConfig
 from worker.outputs import Completion, RequestOutput
 from worker.policy_set import WorkerPolicies
+from worker.prompt_logprobs import ScoreSpan, score, score_spans
 from worker.request import FinishReason, Request, TierRef
 from worker.request_state import RequestState
 from worker.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
@@ -33,6 +34,8 @@ from worker.structured import GrammarError, GrammarQueue
 from worker.tracing import NULL_OBSERVER, NullObserver
 
 log = logging.getLogger(__name__)
+
+Scored = tuple[int, list[TokenLogprobs]]  # a scored prompt's logprobs of one step: the first's position, them
 
 
 @dataclass(slots=True, frozen=True)
@@ -246,6 +249,7 @@ class Engine:
             time.sleep(0.001)  # only grammars compiling: wait for them without spinning a core
             return []
         self.observer.on_schedule(out)
+        spans = score_spans(out.scheduled, out.num_scheduled_tokens)  # before the scheduler advances them
         try:
             requests, logits = self.runner.execute(out)
         except Exception:
@@ -255,13 +259,46 @@ class Engine:
             self.observer.on_step_done(out, failed)
             return failed
         self.scheduler.postprocess(out)  # the runner's requests are those it returns, in its order
-        outputs = self._sample(requests, logits) if requests else []
+        scores = self._score(spans, logits[len(requests) :]) if spans else {}  # rows after the sampled
+        outputs = self._sample(requests, logits[: len(requests)], scores) if requests else []
+        for request_id, scored in scores.items():  # scored prompts not yet sampling: their logprobs alone
+            state = self._states[request_id]
+            outputs.append(_output(state.request, state.owner, scored=scored))
         # The whole step, as a stream sees it between two tokens: what the budget policy learns from.
         self.scheduler.report_step(out, (time.perf_counter() - start) * 1e3)
         self.observer.on_step_done(out, outputs)
         return failed + outputs
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
+    def _score(self, spans: list[ScoreSpan], logits: torch.Tensor) -> dict[str, Scored]:
+        """The scored prompts' logprobs of this step (rows in ``spans`` order), less those already sent."""
+        scores: dict[str, Scored] = {}
+        row = 0
+        for span in spans:
+            request = span.request
+            num_top = request.sampling_params.prompt_logprobs or 0
+            entries = score(logits[row : row + span.num_rows], span.targets, num_top)
+            row += span.num_rows
+            position, fresh = self._states[request.request_id].scored(span.first_position, entries)
+            if fresh:
+                scores[request.request_id] = (position, fresh)
+        return scores
+
+    def _sample(
+        self, requests: list[Request], logits: torch.Tensor, scores: dict[str, Scored]
+    ) -> list[RequestOutput]:
+        """Each request's next token, with its prompt's logprobs of this step where it was scored
+        (taken out of ``scores``); a request that may generate nothing (``max_tokens`` 0: its prompt
+        scored) ends instead."""
+        ended = [
+            self._finish(r, FinishReason.LENGTH, scored=scores.pop(r.request_id, None))
+            for r in requests
+            if r.sampling_params.max_tokens == 0
+        ]
+        if ended:
+            keep = [i for i, r in enumerate(requests) if r.sampling_params.max_tokens > 0]
+            requests, logits = [requests[i] for i in keep], logits[keep]
+            if not requests:
+                return ended
         states = [self._states[r.request_id] for r in requests]
         rows = [
             SamplingRow(r.sampling_params, *_penalty_tokens(r), s.generator)
@@ -275,12 +312,13 @@ class Engine:
                 row.allowed = words
         sampled = self.sampler(logits, rows)
         picks = zip(states, sampled.token_ids, sampled.logprobs, strict=True)
-        return [
-            self._process_token(state, token_id, token_logprobs) for state, token_id, token_logprobs in picks
+        return ended + [
+            self._process_token(state, token_id, token_logprobs, scores.pop(state.request.request_id, None))
+            for state, token_id, token_logprobs in picks
         ]
 
     def _process_token(
-        self, state: RequestState, token_id: int, logprobs: TokenLogprobs | None
+        self, state: RequestState, token_id: int, logprobs: TokenLogprobs | None, scored: Scored | None = None
     ) -> RequestOutput:
         request = state.request
         effect = state.take(token_id, self.max_model_len)
@@ -293,16 +331,20 @@ class Engine:
             effect.text,
             effect.reason,
             [logprobs] if logprobs is not None else [],
+            scored=scored,
         )
         if effect.reason is not None:
             self.scheduler.finish(request.request_id, effect.reason)
             self._states.pop(request.request_id, None)
         return output
 
-    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+    def _finish(
+        self, request: Request, reason: FinishReason, error: str | None = None, scored: Scored | None = None
+    ) -> RequestOutput:
         self.scheduler.finish(request.request_id, reason)
         state = self._states.pop(request.request_id, None)
-        return _output(request, None if state is None else state.owner, reason=reason, error=error)
+        owner = None if state is None else state.owner
+        return _output(request, owner, reason=reason, error=error, scored=scored)
 
     # ---- in-process convenience --------------------------------------------------------------
 
@@ -316,6 +358,7 @@ class Engine:
         texts: dict[str, list[str]] = {i: [] for i in ids}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
         done: dict[str, RequestOutput] = {}
         prompt_ids = {i: list(self._states[i].request.prompt_token_ids) for i in ids}
         while len(done) < len(ids):
@@ -325,6 +368,7 @@ class Engine:
                 texts[output.request_id].append(output.text_delta)
                 tokens[output.request_id].extend(output.new_token_ids)
                 logprobs[output.request_id].extend(output.logprobs)
+                prompt_logprobs[output.request_id].extend(output.prompt_logprobs)
                 if output.is_finished:
                     done[output.request_id] = output
         return [
@@ -336,6 +380,7 @@ class Engine:
                 _reason(done[i]),
                 logprobs[i],
                 done[i].num_cached_tokens,
+                prompt_logprobs[i],
             )
             for i in ids
         ]
@@ -365,10 +410,13 @@ def _output(
     reason: FinishReason | None = None,
     logprobs: list[TokenLogprobs] | None = None,
     error: str | None = None,
+    scored: Scored | None = None,
 ) -> RequestOutput:
     """One step's output for ``request``, its usage as the client counts it: a failover's resumed
-    tokens are output the client already had, not prompt."""
+    tokens are output the client already had, not prompt. ``scored``: its prompt's logprobs of this
+    step (the position of the first, and them)."""
     num_prompt = request.outputs_from
+    position, prompt_logprobs = scored if scored is not None else (0, [])
     return RequestOutput(
         request.request_id,
         new_token_ids if new_token_ids is not None else [],
@@ -380,6 +428,8 @@ def _output(
         min(request.num_cached_tokens, num_prompt),
         error,
         owner,
+        prompt_logprobs,
+        position,
     )
 
 

@@ -31,6 +31,7 @@ from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.models.config import ModelConfig
 from worker.policy_set import WorkerPolicies
+from worker.prompt_logprobs import score_spans
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
 
@@ -161,11 +162,15 @@ class MockRunner:
             if end == request.num_tokens:
                 sampled.append(request)
                 token_ids.append(self.model.next_token_id(request.all_token_ids))
+        for span in score_spans(out.scheduled, out.num_scheduled_tokens):  # rows after the sampled ones
+            tokens, first = span.request.all_token_ids, span.first_position
+            predicts = range(first, first + span.num_rows)
+            token_ids.extend(self.model.next_token_id(tokens[:p]) for p in predicts)
         self.last_step_seconds = self.cost.step_seconds(out.total_num_tokens, num_context_tokens)
         self.num_steps += 1
-        logits = torch.zeros(len(sampled), VOCAB_SIZE, dtype=torch.float32)
-        if sampled:
-            logits[torch.arange(len(sampled)), torch.tensor(token_ids)] = self.peak_logit
+        logits = torch.zeros(len(token_ids), VOCAB_SIZE, dtype=torch.float32)
+        if token_ids:
+            logits[torch.arange(len(token_ids)), torch.tensor(token_ids)] = self.peak_logit
         # Sleep until the deadline, so the step lasts the modelled time however long the hashing took.
         remaining = start + self.last_step_seconds - time.monotonic()
         if remaining > 0:

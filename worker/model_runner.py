@@ -9,7 +9,9 @@ For a step with a decode of request A (context 37) and a prefill chunk of B (tok
     seq_lens      [ 37, 48 ]
     block_tables  [ A.block_ids + pad ; B.block_ids + pad ]
 
-Only the last token of a request whose prompt is now fully computed is turned into logits.
+Only the last token of a request whose prompt is now fully computed is turned into logits, and after
+those rows, the rows of a prompt that is scored (``SamplingParams.prompt_logprobs``: every row whose
+next token is a prompt token, ``worker.prompt_logprobs.score_spans``).
 
 Kernels: the torch references on CPU, the Triton kernels on CUDA (``EngineConfig.kernel_backend``), the
 choice logged once at startup. A decode-only step (every sequence one new token) may take a faster
@@ -66,6 +68,7 @@ from worker.models.quant import (
     use_triton_quant_kernels,
 )
 from worker.models.store import kernel_cache_dir
+from worker.prompt_logprobs import score_spans
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
 
@@ -106,7 +109,10 @@ class StepRunner(Protocol):
     @property
     def sampling(self) -> SamplingOps: ...
 
-    def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]: ...
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+        """The requests whose next token is sampled, and the logits: one row for each of them, in that
+        order, then one for each row of the step's ``score_spans`` in theirs."""
+        ...
 
 
 class ModelRunner:
@@ -130,7 +136,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
-        """Run one step; return the requests that need a new token and their logits [N, V] fp32."""
+        """Run one step; return the requests that need a new token and the logits [N, V] fp32 (theirs,
+        then the scored prompt rows': ``StepRunner.execute``)."""
         step, sampled = step_inputs(out, self.block_size)
         fast = self.decode_step
         decode_only = step.num_decodes == len(out.scheduled)
@@ -188,7 +195,7 @@ class StepInputs:
     seq_lens: list[int]
     block_ids: list[list[int]]  # each sequence's blocks (its request's own list: read, not copied)
     num_decodes: int
-    logits_indices: list[int]
+    logits_indices: list[int]  # the sampled requests' last rows, then the scored prompts' rows
 
     def block_tables(self) -> torch.Tensor:
         """[num_seqs, max_blocks] int64 on the CPU, each row zero-padded."""
@@ -197,7 +204,8 @@ class StepInputs:
 
 
 def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list[Request]]:
-    """``out`` as model inputs, and the requests whose last new token is sampled (in row order)."""
+    """``out`` as model inputs, and the requests whose last new token is sampled (in row order); the
+    logits rows are theirs, then those of the step's scored prompts (``score_spans``)."""
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -207,7 +215,9 @@ def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list
     logits_indices: list[int] = []
     sampled: list[Request] = []
     num_decodes = sum(1 for r in out.scheduled if out.num_scheduled_tokens[r.request_id] == 1)
+    first_rows: dict[str, int] = {}
     for request in out.scheduled:
+        first_rows[request.request_id] = query_start_loc[-1]
         start = request.num_computed_tokens
         num_new = out.num_scheduled_tokens[request.request_id]
         end = start + num_new
@@ -221,6 +231,9 @@ def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list
         if end == request.num_tokens:
             logits_indices.append(query_start_loc[-1] - 1)
             sampled.append(request)
+    for scored in score_spans(out.scheduled, out.num_scheduled_tokens):
+        first = first_rows[scored.request.request_id]
+        logits_indices.extend(range(first, first + scored.num_rows))
     step = StepInputs(
         input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_ids=[r.block_ids for r in out.scheduled],

@@ -24,6 +24,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # of the prompt tokens, those served from the prefix cache
     error: str | None = None
     owner: object = None  # what the caller attached at add_request (the daemon: its gateway link)
+    # A scored prompt's logprobs computed this step: those of its tokens from ``prompt_position`` on
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_position: int = 0
 
     @property
     def is_finished(self) -> bool:
@@ -41,3 +44,4 @@ class Completion:
     finish_reason: FinishReason
     logprobs: list[TokenLogprobs]
     num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # positions 1 on, when scored

@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     from worker.kv_cache.block_pool import KVBlock
 
 
+# Prompt tokens a step computes at most of a request whose prompt is scored (``scores_prompt``): each
+# row's logits, ``vocab_size`` floats, come back with the step (256 rows of a 49,152-token vocabulary:
+# 50 MB), and their logprobs go out a chunk at a time.
+SCORE_CHUNK_TOKENS = 256
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -96,6 +102,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt tokens' logprobs are still to be computed (``prompt_logprobs`` asked for,
+        no token generated yet): its prompt is then computed whole, not read from the prefix cache,
+        in chunks of at most ``SCORE_CHUNK_TOKENS``. A failover's continuation was scored before."""
+        asked = self.sampling_params.prompt_logprobs is not None
+        return asked and not self.output_token_ids and not self.num_resumed
 
     @property
     def num_output_tokens(self) -> int:

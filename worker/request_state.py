@@ -14,6 +14,7 @@ import torch
 
 from worker.detokenizer import IncrementalDetokenizer
 from worker.request import FinishReason, Request
+from worker.sampler import TokenLogprobs
 from worker.structured import Matcher
 
 
@@ -34,6 +35,7 @@ class RequestState:
     generator: torch.Generator | None
     owner: object = None  # the caller's, opaque here (the daemon: which gateway, which epoch)
     matcher: Matcher | None = None  # a structured output's place in its grammar
+    num_prompt_scored: int = 0  # a scored prompt: the positions 1 .. this whose logprobs went out
 
     @classmethod
     def begin(
@@ -57,6 +59,15 @@ class RequestState:
         for token_id in request.resumed_token_ids:
             detokenizer.update([token_id])
         return cls(request, detokenizer, generator, owner)
+
+    def scored(self, first_position: int, entries: list[TokenLogprobs]) -> tuple[int, list[TokenLogprobs]]:
+        """Of a scored prompt's logprobs from ``first_position`` on, those not sent yet (a prompt
+        recomputed after a preemption is scored again), and the position of the first of them."""
+        assert first_position <= self.num_prompt_scored + 1, "a scored prompt's chunks come in order"
+        skip = self.num_prompt_scored + 1 - first_position
+        fresh = entries[skip:]
+        self.num_prompt_scored += len(fresh)
+        return first_position + skip, fresh
 
     def take(self, token_id: int, max_model_len: int) -> TokenEffect:
         """Append a sampled token and apply the stop rules: an EOS or stop token (counted, never shown),

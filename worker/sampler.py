@@ -49,6 +49,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the params.logprobs most likely (token_id, logprob), best first
+    rank: int | None = None  # a scored prompt token's: 1 + the tokens more likely than it
 
 
 @dataclass(slots=True)

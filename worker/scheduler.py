@@ -40,7 +40,7 @@ from policies.base import SlotSharing, StepLimits, StepReport
 from policies.step_time import MIN_CHUNK_TOKENS, StepTimeLimit
 from worker.kv_cache import KVCacheManager
 from worker.policy_set import WorkerPolicies
-from worker.request import FinishReason, Request, RequestStatus
+from worker.request import SCORE_CHUNK_TOKENS, FinishReason, Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -196,7 +196,7 @@ class Scheduler:
     ) -> int:
         """Give a running request its next tokens, preempting until its blocks fit; the tokens used
         (net of budget given back by victims that were already scheduled this step)."""
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_new = min(request.num_tokens - request.num_computed_tokens, _chunk_budget(request, budget))
         num_new = clock.allowed(
             request.request_id, num_new, request.num_computed_tokens, not out.num_scheduled_tokens
         )
@@ -229,7 +229,7 @@ class Scheduler:
             return 0
         hits = self.kv_cache.get_computed_blocks(request)
         num_before = request.num_computed_tokens + len(hits) * self.kv_cache.block_size
-        num_new = min(request.num_tokens - num_before, budget)
+        num_new = min(request.num_tokens - num_before, _chunk_budget(request, budget))
         num_new = clock.allowed(request.request_id, num_new, num_before, not out.num_scheduled_tokens)
         if num_new == 0:
             return 0
@@ -339,3 +339,9 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         return request
+
+
+def _chunk_budget(request: Request, budget: int) -> int:
+    """The tokens ``request`` may take of the step's ``budget``: a scored prompt's chunks are capped
+    (their rows' logits come back with the step)."""
+    return min(budget, SCORE_CHUNK_TOKENS) if request.scores_prompt else budget

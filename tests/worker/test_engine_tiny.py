@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import pytest
@@ -26,29 +25,6 @@ pytestmark = pytest.mark.isa
 
 NEW_TOKENS = 12
 TOP = 5
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-engine")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_tokenizer_dir / name, folder / name)
-    vocab = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=192,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        initializer_range=0.2,  # logits of order 1: near-ties are rare, a wrong rotation is not hidden
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 def hf_greedy(folder: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[list[int]]]]:

@@ -7,6 +7,7 @@ from tests.worker.test_detokenizer import byte_level_tokenizer
 from wire.sampling import SamplingParams
 from worker.request import FinishReason, Request
 from worker.request_state import RequestState
+from worker.sampler import TokenLogprobs
 
 EOS = 2
 
@@ -72,3 +73,16 @@ def test_a_resumed_request_shows_only_what_the_client_has_not_seen() -> None:
     rest = "".join(text for text, _ in feed(resumed, " quick brown"))
     assert whole == " the" + rest
     assert resumed.request.resumed_token_ids and resumed.owner == "gateway-a"
+
+
+def test_a_scored_prompt_recomputed_after_a_preemption_sends_each_position_once() -> None:
+    s = state(SamplingParams(max_tokens=0, prompt_logprobs=0), prompt="Hello, world")
+    assert s.request.scores_prompt
+    entries = [TokenLogprobs(token_id, -1.0, []) for token_id in s.request.prompt_token_ids[1:]]
+    assert s.scored(1, entries[:4]) == (1, entries[:4])
+    # preempted: the prompt is computed again from its start, its first rows already sent
+    assert s.scored(1, entries[:6]) == (5, entries[4:6])
+    assert s.scored(7, entries[6:]) == (7, entries[6:])
+    assert s.scored(1, entries) == (len(entries) + 1, [])
+    s.request.append_output_token(7)
+    assert not s.request.scores_prompt  # once it generates, its prompt was scored

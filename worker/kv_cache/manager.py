@@ -67,9 +67,10 @@ class KVCacheManager:
         """The longest cached prefix of a request that holds no blocks yet.
 
         The last token is always recomputed (its logits pick the next token), so a prompt that
-        is entirely cached still leaves its last block to compute.
+        is entirely cached still leaves its last block to compute. A request that scores its prompt
+        (``Request.scores_prompt``) computes all of it: no hits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.scores_prompt:
             return []
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
