@@ -16,6 +16,7 @@ Everything a client can get wrong is a 4xx raised as :class:`APIError` before an
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -39,7 +40,7 @@ from gateway.endpoint import CHAT, COMPLETIONS, RESPONSES, Body, Endpoint
 from gateway.errors import APIError
 from gateway.identity import Identity, identify, with_service_tier
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.openai_api import ModelCard, ModelList
+from gateway.openai_api import EchoedPrompt, ModelCard, ModelList, PromptScoring, Rendering
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 from gateway.placement import place_prompts
 from gateway.sse import ClientDisconnected
@@ -206,7 +207,15 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
             call_format = gateway.builder(placement.model).call_format
             tool_spec = dataclasses.replace(tool_spec, answer_format=call_format)
         service_tier = gateway.config.service_tier_name(identity.tier)
-        renderer = endpoint.renderer(parsed, request_id, placement.model, texts, tool_spec, service_tier)
+        echo = None
+        if endpoint.echo(parsed):
+            echo = await _echoed(gateway, placement.model, prompts.texts, prompt_ids)
+        num_scored = endpoint.prompt_logprobs(parsed)
+        scoring = (
+            None if num_scored is None else PromptScoring(gateway.token_texts(placement.model), num_scored)
+        )
+        rendering = Rendering(request_id, placement.model, texts, tool_spec, service_tier, echo, scoring)
+        renderer = endpoint.renderer(parsed, rendering)
         _classified(gateway, span, identity, placement, prompt_ids)
         if gateway.telemetry.capture_content:
             server_span.set_attribute(attr.GEN_AI_INPUT_MESSAGES, json.dumps(prompts.content))
@@ -232,6 +241,18 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
         return await respond(gateway, job, request.receive)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _echoed(
+    gateway: Gateway, model: str, texts: Sequence[str | None], prompt_ids: Sequence[Sequence[int]]
+) -> list[EchoedPrompt]:
+    """Each prompt as the legacy API's ``echo`` repeats it: the client's text, or its token ids
+    decoded by the placed model's tokenizer (in a thread, as tokenizing is)."""
+    builder = gateway.builder(model)
+    return [
+        EchoedPrompt(text if text is not None else await asyncio.to_thread(builder.decode, ids), ids[0])
+        for text, ids in zip(texts, prompt_ids, strict=True)
+    ]
 
 
 def _choices(

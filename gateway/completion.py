@@ -30,6 +30,7 @@ from gateway.choice_streams import ChoiceStreams
 from gateway.completion_spans import ChoiceProgress, response_attributes, route_attributes
 from gateway.errors import APIError
 from gateway.identity import Identity
+from gateway.logprobs import merge_prompt_logprobs
 from gateway.openai_api import ChoiceResult, Renderer, UsageInfo, finish_reason
 from gateway.request_stream import DispatchError, RequestStream
 from gateway.sse import ClientDisconnected, EventStreamResponse, until_disconnect
@@ -225,6 +226,8 @@ class _Run:
             progress.num_tokens += len(delta.token_ids)
         if delta.logprobs:
             progress.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs:
+            merge_prompt_logprobs(progress.prompt_logprobs, delta.prompt_position, delta.prompt_logprobs)
 
     def _done(self) -> bool:
         return all(p.last is not None and p.last.finish_reason is not None for p in self.progress)
@@ -251,6 +254,7 @@ class _Run:
                 text="".join(p.text),
                 logprobs=p.logprobs,
                 finish_reason=finish_reason(p.last),
+                prompt_logprobs=p.prompt_logprobs,
             )
             for choice, p in zip(self.job.choices, self.progress, strict=True)
         ]

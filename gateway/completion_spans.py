@@ -25,6 +25,7 @@ class ChoiceProgress:
 
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # a scored prompt's (echo)
     last: TokenDelta | None = None
     num_tokens: int = 0
     first_at: float | None = None

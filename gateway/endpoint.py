@@ -19,8 +19,7 @@ from typing import Generic, TypeVar
 
 from gateway.chat_prompt import chat_prompt, template_messages
 from gateway.errors import APIError
-from gateway.logprobs import TokenTexts
-from gateway.openai_api import ChatRenderer, CompletionRenderer, Renderer
+from gateway.openai_api import ChatRenderer, CompletionRenderer, Renderer, Rendering
 from gateway.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +42,7 @@ class Prompts:
     content: object  # as the client sent them, for the span when content capture is on
     num_prompts: int  # each one runs ``n`` choices
     has_token_ids: bool  # sent as token ids: only the tokenizer that made them can run them
+    texts: list[str | None]  # each prompt's text as the client sent it (None: sent as token ids)
     tokenize: Callable[[PromptBuilder], Awaitable[list[list[int]]]]  # in a thread, never on the loop
 
 
@@ -52,14 +52,14 @@ class Endpoint(Generic[Body]):
     decode: Callable[[bytes], Body]  # raises InvalidRequestError naming the field
     prompts: Callable[[Body, int], Prompts]  # at most that many prompts; raises InvalidRequestError
     wants_logprobs: Callable[[Body], bool]
-    # (body, id, model, logprob texts, the tools whose calls are parsed out of the text, the
-    # service_tier the response names)
-    renderer: Callable[[Body, str, str, TokenTexts | None, ToolSpec | None, str | None], Renderer]
+    renderer: Callable[[Body, Rendering], Renderer]
     tool_spec: Callable[[Body], ToolSpec | None]
     service_tier: Callable[[Body], str | None]  # OpenAI's service_tier field (the legacy API has none)
     id_prefix: str  # of the response's id, its separator included
     operation: str  # gen_ai.operation.name
     field_name: Callable[[str], str] = str  # a field as this API names it, in errors (chat's name given)
+    echo: Callable[[Body], bool] = lambda body: False  # the legacy API's: the prompts repeated in the answer
+    prompt_logprobs: Callable[[Body], int | None] = lambda body: None  # vLLM's: the prompt's logprobs
 
 
 def chat_prompts(body: ChatCompletionRequest, max_prompts: int) -> Prompts:
@@ -76,7 +76,7 @@ def chat_prompts(body: ChatCompletionRequest, max_prompts: int) -> Prompts:
         except TemplateError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None
 
-    return Prompts("messages", messages, 1, False, tokenize)
+    return Prompts("messages", messages, 1, False, [None], tokenize)
 
 
 def completion_prompts(body: CompletionRequest, max_prompts: int) -> Prompts:
@@ -89,8 +89,8 @@ def completion_prompts(body: CompletionRequest, max_prompts: int) -> Prompts:
             for prompt in prompts
         ]
 
-    has_token_ids = any(not isinstance(prompt, str) for prompt in prompts)
-    return Prompts("prompt", prompts, len(prompts), has_token_ids, tokenize)
+    texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
+    return Prompts("prompt", prompts, len(prompts), None in texts, texts, tokenize)
 
 
 CHAT: Endpoint[ChatCompletionRequest] = Endpoint(
@@ -98,26 +98,29 @@ CHAT: Endpoint[ChatCompletionRequest] = Endpoint(
     decode=decode_chat,
     prompts=chat_prompts,
     wants_logprobs=lambda body: body.logprobs,
-    renderer=lambda body, request_id, model, texts, tools, tier: ChatRenderer(
-        request_id, model, body.include_usage, texts, tools, tier
+    renderer=lambda body, r: ChatRenderer(
+        r.request_id, r.model, body.include_usage, r.texts, r.tools, r.service_tier, r.scoring
     ),
     tool_spec=lambda body: body.tool_spec(),
     service_tier=lambda body: body.service_tier,
     id_prefix="chatcmpl-",
     operation="chat",
+    prompt_logprobs=lambda body: body.prompt_logprobs,
 )
 COMPLETIONS: Endpoint[CompletionRequest] = Endpoint(
     path="/v1/completions",
     decode=decode_completion,
     prompts=completion_prompts,
     wants_logprobs=lambda body: body.logprobs is not None,  # the legacy API: a count, 0 included
-    renderer=lambda body, request_id, model, texts, tools, tier: CompletionRenderer(
-        request_id, model, body.include_usage, texts, tools, tier
+    renderer=lambda body, r: CompletionRenderer(
+        r.request_id, r.model, body.include_usage, r.texts, r.echo, body.n, r.scoring, body.logprobs or 0
     ),
     tool_spec=lambda body: None,
     service_tier=lambda body: None,
     id_prefix="cmpl-",
     operation="text_completion",
+    echo=lambda body: body.echo,
+    prompt_logprobs=lambda body: body.prompt_logprobs,
 )
 RESPONSES: Endpoint[ResponsesChat] = Endpoint(
     path="/v1/responses",

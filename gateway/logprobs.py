@@ -10,6 +10,11 @@ shapes, one per endpoint:
 
 A token's ``bytes`` are its exact UTF-8 bytes, which may be part of a character; its ``token`` text is
 those bytes decoded with replacement characters, as OpenAI does.
+
+A scored prompt's logprobs (the legacy API's ``echo`` with ``logprobs``) come from the worker a chunk at a
+time, each from a prompt position on (``TokenDelta.prompt_position``): ``merge_prompt_logprobs`` keeps
+each position once (a request moved to another worker is scored again from its start), and
+``echo_logprobs`` puts them in the legacy shape, the first token's logprob ``null`` as OpenAI's is.
 """
 
 from __future__ import annotations
@@ -47,6 +52,17 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's shape of one token of a scored prompt (its ``prompt_logprobs`` field)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class TokenTexts:
@@ -97,3 +113,43 @@ def completion_logprobs(
         result.text_offset.append(offset)
         offset += len(text)
     return result
+
+
+def merge_prompt_logprobs(have: list[TokenLogprob], position: int, entries: Sequence[TokenLogprob]) -> None:
+    """Add a scored prompt's ``entries`` from ``position`` on (1: its second token) to ``have``, the
+    positions 1 .. ``len(have)`` so far, each position once."""
+    if position > len(have) + 1:
+        raise ValueError(f"prompt logprobs from position {position} after {len(have)}: one went missing")
+    have.extend(entries[len(have) + 1 - position :])
+
+
+def echo_logprobs(
+    texts: TokenTexts, first_token_id: int, entries: Sequence[TokenLogprob]
+) -> CompletionLogprobs:
+    """An echoed prompt's tokens in the legacy shape: the first with no logprob (nothing precedes it),
+    then ``entries``, the logprobs of the rest; ``text_offset`` from 0, each token's text after the
+    one before."""
+    text, _ = texts(first_token_id)
+    result = completion_logprobs(texts, entries, len(text))
+    result.tokens.insert(0, text)
+    result.token_logprobs.insert(0, None)
+    result.top_logprobs.insert(0, None)
+    result.text_offset.insert(0, 0)
+    return result
+
+
+def vllm_prompt_logprobs(texts: TokenTexts, entries: Sequence[TokenLogprob], num_top: int) -> PromptLogprobs:
+    """A scored prompt as vLLM's ``prompt_logprobs`` answers it: ``None`` for the first token, then for
+    each token a map of token id (a string, as JSON keys are) to its logprob, rank and text: the prompt's
+    token first, then the ``num_top`` most likely (ranks 1 ..), the prompt's token among them once."""
+    out: PromptLogprobs = [None]
+    for entry in entries:
+        scored = {str(entry.token_id): _prompt_logprob(texts, entry.token_id, entry.logprob, entry.rank)}
+        for rank, (token_id, logprob) in enumerate(entry.top[:num_top], start=1):
+            scored.setdefault(str(token_id), _prompt_logprob(texts, token_id, logprob, rank))
+        out.append(scored)
+    return out
+
+
+def _prompt_logprob(texts: TokenTexts, token_id: int, logprob: float, rank: int | None) -> PromptLogprob:
+    return PromptLogprob(logprob=logprob, rank=rank, decoded_token=texts(token_id)[0])

@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
-from gateway.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts, chat_logprobs, completion_logprobs
+from gateway.logprobs import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprobs,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    merge_prompt_logprobs,
+    vllm_prompt_logprobs,
+)
 from gateway.tool_calls import AnswerParser, ParsedCall, answer_parser, parse_whole
 from gateway.tools import ToolSpec
 from wire.messages import TokenDelta, TokenLogprob, Usage
@@ -100,6 +111,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: UsageInfo
     service_tier: str | None = None  # OpenAI's name of the tier it ran at (ServerConfig.service_tier_name)
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, where asked for (else left out)
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -130,6 +142,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, where asked for (else left out)
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -175,6 +188,41 @@ class ChoiceResult:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: FinishReason | None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # a scored prompt's, positions 1 on
+
+
+@dataclass(frozen=True, slots=True)
+class EchoedPrompt:
+    """A prompt as the legacy API's ``echo`` repeats it before the answer: the client's text (token ids
+    decoded), and its first token (the one a scored prompt has no logprob for)."""
+
+    text: str
+    first_token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptScoring:
+    """vLLM's ``prompt_logprobs``: the answer carries its prompt's tokens' logprobs and ranks, with
+    ``num_top`` alternatives each (never streamed)."""
+
+    texts: TokenTexts
+    num_top: int
+
+    def render(self, entries: Sequence[TokenLogprob]) -> PromptLogprobs:
+        return vllm_prompt_logprobs(self.texts, entries, self.num_top)
+
+
+@dataclass(frozen=True, slots=True)
+class Rendering:
+    """What a request's renderer needs beside its body, known once the request is placed."""
+
+    request_id: str
+    model: str
+    texts: TokenTexts | None  # given when logprobs were asked for
+    tools: ToolSpec | None  # the request's, whose calls are parsed out of the text (gateway/tools.py)
+    service_tier: str | None  # what the answer says the request ran at
+    echo: list[EchoedPrompt] | None = None  # per prompt: the legacy API's echo
+    scoring: PromptScoring | None = None  # vLLM's prompt_logprobs
 
 
 class Renderer(Protocol):
@@ -248,10 +296,13 @@ class ChatRenderer(DataEvents):
         texts: TokenTexts | None = None,
         tools: ToolSpec | None = None,
         service_tier: str | None = None,
+        scoring: PromptScoring | None = None,
     ) -> None:
         """``texts``: given when logprobs were asked for; ``tools``: the request's, whose calls are
         parsed out of each choice's text (gateway/tools.py) unless tool_choice is ``none``;
-        ``service_tier``: what every chunk and the whole answer say the request ran at."""
+        ``service_tier``: what every chunk and the whole answer say the request ran at; ``scoring``:
+        vLLM's ``prompt_logprobs``, on the whole answer (every choice scores the same prompt)."""
+        self.scoring = scoring
         self.request_id = request_id
         self.model = model
         self.service_tier = service_tier
@@ -321,6 +372,9 @@ class ChatRenderer(DataEvents):
             choices=[self._choice(c) for c in choices],
             usage=usage,
             service_tier=self.service_tier,
+            prompt_logprobs=UNSET
+            if self.scoring is None
+            else self.scoring.render(choices[0].prompt_logprobs),
         )
 
     def _choice(self, c: ChoiceResult) -> ChatChoice:
@@ -354,18 +408,27 @@ class CompletionRenderer(DataEvents):
         model: str,
         include_usage: bool,
         texts: TokenTexts | None = None,
-        tools: ToolSpec | None = None,
-        service_tier: str | None = None,
+        echo: Sequence[EchoedPrompt] | None = None,
+        n: int = 1,
+        scoring: PromptScoring | None = None,
+        num_top: int = 0,
     ) -> None:
-        """``tools``: always None (the completions API has none), taken for the Endpoint's one shape; so
-        is ``service_tier``, which the legacy API's responses do not carry."""
-        assert tools is None, "the completions API has no tools"
+        """``echo``: each prompt, repeated before its choices' answers (``n`` choices a prompt, choice
+        ``i`` of prompt ``i // n``), with its tokens' logprobs where ``texts`` is given, ``num_top``
+        alternatives each (the answer's ``logprobs``); ``scoring``: vLLM's ``prompt_logprobs``, on each
+        choice of a whole answer."""
+        self.scoring = scoring
+        self.num_top = num_top
         self.request_id = request_id
         self.model = model
         self.include_usage = include_usage
         self.texts = texts
+        self.echo = echo
+        self.n = n
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # per choice: characters of logprob tokens streamed so far
+        self._scored: dict[int, list[TokenLogprob]] = {}  # per choice yet to echo: its prompt's logprobs
+        self._echoed_choices: set[int] = set()
 
     def _body(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> Completion:
         return Completion(
@@ -379,10 +442,47 @@ class CompletionRenderer(DataEvents):
         self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in result.tokens)
         return result
 
+    def _echoed(
+        self, index: int, text: str, entries: Sequence[TokenLogprob] | None, scored: Sequence[TokenLogprob]
+    ) -> tuple[str, CompletionLogprobs | None]:
+        """Choice ``index``'s text and logprobs from its start, its prompt echoed before them (without
+        echo, as they are)."""
+        if self.echo is None:
+            return text, self._logprobs(index, entries)
+        prompt = self.echo[index // self.n]
+        if self.texts is None:
+            return prompt.text + text, None
+        # the worker scored with as many alternatives as the request's largest count: the echo's own
+        scored = [
+            e if len(e.top) <= self.num_top else msgspec.structs.replace(e, top=e.top[: self.num_top])
+            for e in scored
+        ]
+        echoed = echo_logprobs(self.texts, prompt.first_token_id, scored)
+        self._offsets[index] = len(prompt.text)
+        answer = self._logprobs(index, entries)
+        assert answer is not None
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(echoed, name).extend(getattr(answer, name))
+        return prompt.text + text, echoed
+
     def opening(self, index: int) -> list[object]:
         return []  # text completions have no role chunk
 
     def chunks(self, index: int, delta: TokenDelta, usage: UsageInfo | None = None) -> list[object]:
+        if self.echo is not None and index not in self._echoed_choices:  # the prompt goes first
+            scored = self._scored.setdefault(index, [])
+            if delta.prompt_logprobs:
+                merge_prompt_logprobs(scored, delta.prompt_position, delta.prompt_logprobs)
+            if not (delta.token_ids or delta.text or delta.finish_reason is not None):
+                return []  # its prompt's logprobs so far: they go out with the echo
+            text, logprobs = self._echoed(index, delta.text, delta.logprobs, self._scored.pop(index))
+            self._echoed_choices.add(index)
+            reason = finish_reason(delta)
+            return [
+                self._body(
+                    [CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)], usage
+                )
+            ]
         has_logprobs = self.texts is not None and bool(delta.logprobs)
         if not (delta.text or has_logprobs or delta.finish_reason is not None):
             return []
@@ -398,15 +498,13 @@ class CompletionRenderer(DataEvents):
         return self._body([], usage)
 
     def whole(self, choices: Sequence[ChoiceResult], usage: UsageInfo) -> object:
-        return self._body(
-            [
-                CompletionChoice(
-                    index=c.index,
-                    text=c.text,
-                    logprobs=self._logprobs(c.index, c.logprobs),
-                    finish_reason=c.finish_reason,
-                )
-                for c in choices
-            ],
-            usage,
-        )
+        out = []
+        for c in choices:
+            text, logprobs = self._echoed(c.index, c.text, c.logprobs, c.prompt_logprobs)
+            choice = CompletionChoice(
+                index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason
+            )
+            if self.scoring is not None:
+                choice.prompt_logprobs = self.scoring.render(c.prompt_logprobs)
+            out.append(choice)
+        return self._body(out, usage)

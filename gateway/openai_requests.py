@@ -149,6 +149,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # tier (X-SLA-Tier, the tenant's default) always comes first; docs/api.md says how they combine.
     priority: Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY - 1, le=MAX_PRIORITY)] = 0
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's: JSON schema, regex, choice, grammar
+    # vLLM's: each prompt token's logprob, rank and this many alternatives (the prompt scored); not streamed
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -173,6 +175,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def sampling(self, *, max_tokens: int | None, logprobs: int | None, room: int) -> SamplingParams:
         """``room``: context left after the prompt, the default when the client sets no limit."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs", "is not available with stream: true (as in vLLM)")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else max(room, 1),
@@ -182,6 +186,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             stop=stop,
             top_k=self.top_k if self.top_k is not None and self.top_k > 0 else None,
             min_p=self.min_p,
@@ -282,8 +287,6 @@ class CompletionRequest(_Sampling, kw_only=True):
     def check_supported(self) -> None:
         """The legacy fields this server does not serve refused by name where they would change the
         answer; ``store`` likewise."""
-        if self.echo:
-            raise InvalidRequestError("echo", "echoing the prompt is not served: send false or omit it")
         if self.suffix:
             raise InvalidRequestError("suffix", "insertion after a suffix is not served: omit it")
         if self.best_of is not None and self.best_of != self.n:
@@ -316,8 +319,19 @@ class CompletionRequest(_Sampling, kw_only=True):
         return prompts
 
     def to_sampling(self, room: int) -> SamplingParams:
+        """With ``echo``, the answer repeats the prompt: with ``logprobs``, its tokens' too (the prompt
+        scored on the worker); ``max_tokens`` 0 then asks for the prompt alone."""
         limit = 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
-        return self.sampling(max_tokens=limit, logprobs=self.logprobs, room=room)
+        if limit == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens", "must be at least 1 (0 only with echo: the prompt alone)")
+        sampling = self.sampling(max_tokens=limit, logprobs=self.logprobs, room=room)
+        if not self.echo:
+            return sampling
+        # the prompt scored for the echo's logprobs (and for max_tokens 0: the prompt is all there is)
+        wanted = [
+            n for n in (self.logprobs, self.prompt_logprobs, 0 if limit == 0 else None) if n is not None
+        ]
+        return msgspec.structs.replace(sampling, prompt_logprobs=max(wanted, default=None))
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")

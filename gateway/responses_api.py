@@ -30,7 +30,7 @@ import msgspec
 
 from gateway.errors import ErrorBody
 from gateway.logprobs import ChatTokenLogprob, TokenTexts, chat_logprobs
-from gateway.openai_api import ChoiceResult, FinishReason, UsageInfo, finish_reason, with_calls
+from gateway.openai_api import ChoiceResult, FinishReason, Rendering, UsageInfo, finish_reason, with_calls
 from gateway.responses_requests import ResponsesChat, ResponsesRequest
 from gateway.tool_calls import AnswerParser, ParsedCall, answer_parser, parse_whole
 from gateway.tools import ToolSpec
@@ -450,16 +450,9 @@ class ResponsesRenderer:
         )
 
 
-def renderer(
-    body: ResponsesChat,
-    request_id: str,
-    model: str,
-    texts: TokenTexts | None,
-    tools: ToolSpec | None,
-    service_tier: str | None,
-) -> ResponsesRenderer:
+def renderer(body: ResponsesChat, r: Rendering) -> ResponsesRenderer:
     assert body.origin is not None, "a ResponsesChat comes from decode_responses"
-    return ResponsesRenderer(request_id, model, body.origin, texts, tools, service_tier)
+    return ResponsesRenderer(r.request_id, r.model, body.origin, r.texts, r.tools, r.service_tier)
 
 
 def _status(reason: FinishReason | None) -> str:

@@ -12,8 +12,15 @@ from openai.types.chat import ChatCompletion as OpenAIChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 
 from gateway.errors import APIError, from_dispatch, invalid
-from gateway.logprobs import TokenTexts
-from gateway.openai_api import ChatRenderer, ChoiceResult, CompletionRenderer, UsageInfo
+from gateway.logprobs import TokenTexts, merge_prompt_logprobs
+from gateway.openai_api import (
+    ChatRenderer,
+    ChoiceResult,
+    CompletionRenderer,
+    EchoedPrompt,
+    PromptScoring,
+    UsageInfo,
+)
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest, decode_chat, decode_completion
 from gateway.request_stream import NoWorkerAvailable, WorkerLost, WorkerRejected
 from wire.errors import InvalidRequestError
@@ -128,7 +135,6 @@ def test_decode_errors_name_the_field(body: bytes, field: str) -> None:
             chat_body(response_format={"type": "json_object", "schema": {}}),
             "response_format.schema",
         ),
-        (decode_completion, b'{"model": "m", "prompt": "x", "echo": true}', "echo"),
         (decode_completion, b'{"model": "m", "prompt": "x", "suffix": "end"}', "suffix"),
         (decode_completion, b'{"model": "m", "prompt": "x", "n": 2, "best_of": 3}', "best_of"),
         (decode_completion, b'{"model": "m", "prompt": "x", "frobnicate": true}', "frobnicate"),
@@ -338,6 +344,96 @@ def test_completion_logprobs_in_the_legacy_shape_with_offsets_across_chunks() ->
         "text_offset": [0],
     }
     assert logprobs[1]["text_offset"] == [2]
+
+
+def test_echo_puts_the_scored_prompt_before_the_answer_streamed_and_whole() -> None:
+    """The prompt "he llo he" (ids 1 2 1), scored a chunk at a time, one position sent twice (a request
+    moved to another worker is scored again); the answer "llo" after it. The first prompt token has no
+    logprob, as OpenAI's legacy API answers."""
+    echo = [EchoedPrompt("hellohe", 1)]
+    scored = [TokenLogprob(token_id=2, logprob=-0.5), TokenLogprob(token_id=1, logprob=-1.5)]
+    answer = TokenLogprob(token_id=2, logprob=-0.25)
+    deltas = [
+        TokenDelta(request_id="r", epoch=0, prompt_logprobs=scored[:1], prompt_position=1, usage=LAST.usage),
+        TokenDelta(request_id="r", epoch=1, prompt_logprobs=scored, prompt_position=1, usage=LAST.usage),
+        TokenDelta(request_id="r", epoch=1, token_ids=[2], text="llo", logprobs=[answer], usage=LAST.usage),
+        TokenDelta(request_id="r", epoch=1, finish_reason="length", usage=LAST.usage),
+    ]
+    want = {
+        "tokens": ["he", "llo", "he", "llo"],
+        "token_logprobs": [None, -0.5, -1.5, -0.25],
+        "top_logprobs": [None, {}, {}, {}],
+        "text_offset": [0, 2, 5, 7],
+    }
+    streamed = CompletionRenderer("cmpl-1", "m", include_usage=False, texts=TEXTS, echo=echo)
+    bodies = [as_json(c) for d in deltas for c in streamed.chunks(0, d)]
+    assert len(bodies) == 2  # the prompt's logprobs wait for the echo, which goes with the first token
+    first = bodies[0]["choices"][0]  # type: ignore[index]
+    assert first["text"] == "hellohello" and first["logprobs"] == want
+    assert bodies[1]["choices"][0]["text"] == "" and bodies[1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    # (not checked against the openai package's types: they say float where OpenAI's own API, vLLM and
+    # this server send null for the first token; the client builds its objects without validating)
+
+    whole = CompletionRenderer("cmpl-1", "m", include_usage=False, texts=TEXTS, echo=echo, n=2)
+    result = [ChoiceResult(i, "llo", [answer], "length", prompt_logprobs=scored) for i in range(2)]
+    body = as_json(whole.whole(result, USAGE))
+    assert [c["text"] for c in body["choices"]] == ["hellohello"] * 2  # type: ignore[index]
+    assert [c["logprobs"] for c in body["choices"]] == [want, want]  # type: ignore[index]
+    # echo without logprobs: the text alone; max_tokens 0: the prompt alone
+    plain = CompletionRenderer("cmpl-1", "m", include_usage=False, echo=echo)
+    assert as_json(plain.whole([ChoiceResult(0, "", [], "length")], USAGE))["choices"][0] == {  # type: ignore[index]
+        "index": 0,
+        "text": "hellohe",
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+
+
+def test_vllm_prompt_logprobs_key_each_token_by_id_with_its_rank() -> None:
+    """vLLM's shape: None for the first token, then the prompt's token (its own rank) and the most
+    likely ones (ranks 1 ..), each keyed by its id as a string; the token once where it is among them."""
+    scored = [
+        TokenLogprob(token_id=2, logprob=-0.5, top=[(1, -0.25), (2, -0.5)], rank=2),
+        TokenLogprob(token_id=1, logprob=-3.0, top=[(2, -0.1), (4, -2.0)], rank=9),
+    ]
+    scoring = PromptScoring(TEXTS, num_top=1)
+    chat = as_json(
+        ChatRenderer("c", "m", False, scoring=scoring).whole(
+            [ChoiceResult(0, "x", [], "stop", scored)], USAGE
+        )
+    )
+    assert chat["prompt_logprobs"] == [  # type: ignore[index]
+        None,
+        {
+            "2": {"logprob": -0.5, "rank": 2, "decoded_token": "llo"},
+            "1": {"logprob": -0.25, "rank": 1, "decoded_token": "he"},
+        },
+        {
+            "1": {"logprob": -3.0, "rank": 9, "decoded_token": "he"},
+            "2": {"logprob": -0.1, "rank": 1, "decoded_token": "llo"},
+        },
+    ]
+    assert "prompt_logprobs" not in as_json(
+        ChatRenderer("c", "m", False).whole([ChoiceResult(0, "x", [], "stop")], USAGE)
+    )  # type: ignore[operator]
+    # with echo too: the echo keeps the answer's own count of alternatives (logprobs: 0), vLLM's its own
+    renderer = CompletionRenderer(
+        "c", "m", False, TEXTS, [EchoedPrompt("hellohe", 1)], scoring=PromptScoring(TEXTS, 2)
+    )
+    [choice] = as_json(renderer.whole([ChoiceResult(0, "", [], "length", scored)], USAGE))["choices"]  # type: ignore[index]
+    assert choice["logprobs"]["top_logprobs"] == [None, {}, {}]
+    assert [len(entry) for entry in choice["prompt_logprobs"][1:]] == [2, 3]
+
+
+def test_prompt_logprobs_merge_by_position() -> None:
+    have: list[TokenLogprob] = []
+    entries = [TokenLogprob(token_id=t, logprob=-float(t)) for t in range(1, 6)]
+    merge_prompt_logprobs(have, 1, entries[:2])
+    merge_prompt_logprobs(have, 1, entries[:3])  # scored again from the start: only position 3 is new
+    merge_prompt_logprobs(have, 4, entries[3:])
+    assert have == entries
+    with pytest.raises(ValueError):
+        merge_prompt_logprobs(have, 8, entries[:1])  # a gap: a chunk went missing
 
 
 def test_gateway_imports_neither_torch_nor_transformers_nor_worker() -> None:
