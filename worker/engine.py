@@ -25,10 +25,10 @@ from worker.model_runner import StepRunner
 from worker.models.config import ModelConfig
 from worker.outputs import Completion, RequestOutput
 from worker.policy_set import WorkerPolicies
-from worker.prompt_logprobs import ScoreSpan, score, score_spans
+from worker.prompt_logprobs import ScoreSpan, score_spans
 from worker.request import FinishReason, Request, TierRef
 from worker.request_state import RequestState
-from worker.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator
+from worker.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator, token_logprobs
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.structured import GrammarError, GrammarQueue
 from worker.tracing import NULL_OBSERVER, NullObserver
@@ -276,7 +276,7 @@ class Engine:
         for span in spans:
             request = span.request
             num_top = request.sampling_params.prompt_logprobs or 0
-            entries = score(logits[row : row + span.num_rows], span.targets, num_top)
+            entries = token_logprobs(logits[row : row + span.num_rows], span.targets, num_top)
             row += span.num_rows
             position, fresh = self._states[request.request_id].scored(span.first_position, entries)
             if fresh:

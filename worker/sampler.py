@@ -248,17 +248,36 @@ def _logprobs(
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not wanted:
         return out
-    logprobs = logits[wanted].log_softmax(dim=-1)
-    chosen_ids = torch.tensor([token_ids[i] for i in wanted], device=logits.device).unsqueeze(1)
-    chosen: list[float] = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
     num_top = max(params[i].logprobs or 0 for i in wanted)
-    top_values: list[list[float]] = []
-    top_ids: list[list[int]] = []
-    if num_top > 0:
-        values, indices = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
-        top_values, top_ids = values.tolist(), indices.tolist()
-    for j, i in enumerate(wanted):
-        n = params[i].logprobs or 0
-        top = list(zip(top_ids[j][:n], top_values[j][:n], strict=True)) if n else []
-        out[i] = TokenLogprobs(token_ids[i], chosen[j], top)
+    scored = token_logprobs(logits[wanted], [token_ids[i] for i in wanted], num_top, ranks=False)
+    for i, entry in zip(wanted, scored, strict=True):
+        entry.top = entry.top[: params[i].logprobs or 0]
+        out[i] = entry
+    return out
+
+
+LOGPROB_ROWS = 64  # rows a log_softmax at a time: [64, V] float32, 12 MB at a 49,152-token vocabulary
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], num_top: int, ranks: bool = True
+) -> list[TokenLogprobs]:
+    """Each row's logprob of its token in ``token_ids``, its rank (1: the most likely; where ``ranks``)
+    and the ``num_top`` most likely (token, logprob), best first; ``logits`` is ``[len(token_ids), V]``,
+    taken ``LOGPROB_ROWS`` rows at a time. The sampler's chosen tokens, and a scored prompt's."""
+    assert logits.shape[0] == len(token_ids), (tuple(logits.shape), len(token_ids))
+    out: list[TokenLogprobs] = []
+    for lo in range(0, len(token_ids), LOGPROB_ROWS):
+        rows = logits[lo : lo + LOGPROB_ROWS].float().log_softmax(dim=-1)
+        ids = torch.tensor(token_ids[lo : lo + LOGPROB_ROWS], dtype=torch.int64, device=rows.device)
+        chosen = rows.gather(1, ids.unsqueeze(1))
+        values: list[float] = chosen.squeeze(1).tolist()
+        rank: list[int | None] = ((rows > chosen).sum(dim=-1) + 1).tolist() if ranks else [None] * len(values)
+        top_values: list[list[float]] = [[] for _ in values]
+        top_ids: list[list[int]] = [[] for _ in values]
+        if num_top > 0:
+            best, indices = rows.topk(min(num_top, rows.shape[1]), dim=-1)
+            top_values, top_ids = best.tolist(), indices.tolist()
+        entries = zip(ids.tolist(), values, top_ids, top_values, rank, strict=True)
+        out.extend(TokenLogprobs(t, v, list(zip(tt, tv, strict=True)), r) for t, v, tt, tv, r in entries)
     return out
