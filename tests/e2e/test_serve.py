@@ -366,6 +366,33 @@ def test_echo_repeats_the_prompt_and_scores_it(client: openai.OpenAI) -> None:
     assert "max_tokens" in str(info.value) and "echo" in str(info.value)
 
 
+def test_a_loglikelihood_batch_as_lm_evaluation_harness_sends_it(base_url: str) -> None:
+    """lm-evaluation-harness's ``local-completions`` scores a context and a continuation: token-id
+    prompts in one request, ``echo``, ``max_tokens`` 1, ``logprobs`` 1; it sums
+    ``token_logprobs[ctxlen:-1]`` and calls a continuation greedy when each of its tokens' logprob is
+    the top one (``top_logprobs[ctxlen:-1]``): so is the mock model's own continuation, not another."""
+    from worker.mock import MockModel
+
+    context = [BYTE_OFFSET + b for b in b"Once upon a "]
+    greedy: list[int] = []
+    for _ in range(4):
+        greedy.append(MockModel().next_token_id(context + greedy))
+    other = [BYTE_OFFSET + b for b in b"xyzzy"]
+    body = {"model": "mock", "prompt": [context + greedy, context + other], "temperature": 0,
+            "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    answer = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30).json()
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    is_greedy = []
+    for choice, continuation in zip(choices, [greedy, other], strict=True):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(context) + len(continuation) + 1  # and the new token
+        scored = logprobs["token_logprobs"][len(context) : -1]
+        tops = logprobs["top_logprobs"][len(context) : -1]
+        assert len(scored) == len(continuation) and all(lp <= 0 for lp in scored)
+        is_greedy.append(all(lp == max(top.values()) for lp, top in zip(scored, tops, strict=True)))
+    assert is_greedy == [True, False]
+
+
 def test_vllm_prompt_logprobs_on_both_endpoints(client: openai.OpenAI) -> None:
     """vLLM's ``prompt_logprobs``: each prompt token's logprob, rank and alternatives, keyed by token id
     (the first token ``None``), on a completion's choices and on a chat answer."""
