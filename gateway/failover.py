@@ -104,8 +104,9 @@ class Failover:
         if request.num_migrations >= self.max_migrations:
             return f"it already moved {request.num_migrations} times (gateway.max_migrations)"
         submit = request.submit
-        if len(request.token_ids) >= submit.sampling.max_tokens:
+        if request.token_ids and len(request.token_ids) >= submit.sampling.max_tokens:
             # Its last token arrived without a finish (cannot happen with our workers): nothing to resume.
+            # (A scored prompt with max_tokens 0 generates none: it runs again from its start.)
             return "every token it may generate was already sent"
         request.submit = msgspec.structs.replace(
             submit, epoch=submit.epoch + 1, resumed_token_ids=list(request.token_ids)

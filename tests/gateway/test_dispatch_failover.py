@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.dispatch import Dispatcher, WorkerLost
+from gateway.logprobs import merge_prompt_logprobs
 from gateway.workers import WorkerState
 from policies.routing import RouteRequest, WorkerView
 from tests.gateway.mock_fleet import (
@@ -42,9 +43,11 @@ from wire.messages import (
     Submit,
     TokenBatch,
     TokenDelta,
+    TokenLogprob,
     Usage,
     WorkerStats,
 )
+from wire.sampling import SamplingParams
 from worker.detokenizer import IncrementalDetokenizer
 from worker.mock import VOCAB_SIZE, MockModel, MockTokenizer
 
@@ -283,6 +286,43 @@ def test_a_silent_worker_s_request_resumes_elsewhere_from_inside_a_character(fle
             await fake.close()
 
     run(fleet, scenario, routing=Preferring("fake"))
+
+
+def test_a_scored_prompt_whose_worker_falls_silent_is_scored_again_elsewhere(fleet: Fleet) -> None:
+    """A prompt scored and nothing generated (echo with max_tokens 0): the fake worker sends the first
+    chunk's logprobs and falls silent; the request moves (no token was seen, so from its start) and a
+    real worker scores the whole prompt again from position 1: merged by position, each once."""
+    prompt = prompt_ids("a prompt to score, moved once")
+    scored = SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=0)
+
+    async def scenario(dispatcher: Dispatcher) -> None:
+        fake = FakeWorker(dispatcher.address, "fake-scorer", pid=5005)
+        try:
+            await fake.register()
+            await _wait_ready(dispatcher, "fake-scorer")
+            stream = await dispatcher.submit(MODEL, "r-scored", prompt, scored, TIER)
+            submit = await fake.receive()
+            assert isinstance(submit, Submit) and submit.sampling.prompt_logprobs == 0
+            first_chunk = [TokenLogprob(token_id=t, logprob=-1.0) for t in prompt[1:5]]
+            usage = Usage(prompt_tokens=len(prompt), completion_tokens=0)
+            partial = TokenDelta(
+                request_id="r-scored", epoch=0, prompt_logprobs=first_chunk, prompt_position=1, usage=usage
+            )
+            await fake.send(TokenBatch(worker_id="fake-scorer", step=1, deltas=[partial]))
+            deltas = await collect(stream)
+            assert stream.worker_id in WORKER_IDS and stream.epoch == 1
+            assert dispatcher.stats().num_migrations == {MODEL: 1}
+            have: list[TokenLogprob] = []
+            for delta in deltas:
+                if delta.prompt_logprobs:
+                    merge_prompt_logprobs(have, delta.prompt_position, delta.prompt_logprobs)
+            assert [e.token_id for e in have] == prompt[1:]
+            assert have[:4] == first_chunk  # the fake's, then the real worker's from position 5
+            assert token_ids(deltas) == [] and deltas[-1].finish_reason == "length"
+        finally:
+            await fake.close()
+
+    run(fleet, scenario, routing=Preferring("fake-scorer"))
 
 
 def test_the_migration_limit_ends_the_stream_with_worker_lost(fleet: Fleet) -> None:
