@@ -215,9 +215,7 @@ def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list
     logits_indices: list[int] = []
     sampled: list[Request] = []
     num_decodes = sum(1 for r in out.scheduled if out.num_scheduled_tokens[r.request_id] == 1)
-    first_rows: dict[str, int] = {}
     for request in out.scheduled:
-        first_rows[request.request_id] = query_start_loc[-1]
         start = request.num_computed_tokens
         num_new = out.num_scheduled_tokens[request.request_id]
         end = start + num_new
@@ -231,9 +229,12 @@ def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list
         if end == request.num_tokens:
             logits_indices.append(query_start_loc[-1] - 1)
             sampled.append(request)
-    for scored in score_spans(out.scheduled, out.num_scheduled_tokens):
-        first = first_rows[scored.request.request_id]
-        logits_indices.extend(range(first, first + scored.num_rows))
+    spans = score_spans(out.scheduled, out.num_scheduled_tokens)
+    if spans:  # each request's rows start at its query_start_loc
+        first_rows = {r.request_id: row for r, row in zip(out.scheduled, query_start_loc[:-1], strict=True)}
+        for scored in spans:
+            first = first_rows[scored.request.request_id]
+            logits_indices.extend(range(first, first + scored.num_rows))
     step = StepInputs(
         input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_ids=[r.block_ids for r in out.scheduled],
