@@ -185,7 +185,7 @@ class CountingPrompts:
         return [[1] * self.length]
 
     def prompts(self) -> Prompts:
-        return Prompts("prompt", [], 1, self.has_token_ids, self.tokenize)
+        return Prompts("prompt", [], 1, self.has_token_ids, [None], self.tokenize)
 
 
 @pytest.mark.parametrize(
