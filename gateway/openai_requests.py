@@ -144,6 +144,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     skip_special_tokens: bool = True
     # vLLM's scheduling priority: within the request's SLA tier, lower runs first (default 0). The
     # tier (X-SLA-Tier, the tenant's default) always comes first; docs/api.md says how they combine.
@@ -193,6 +194,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             repetition_penalty=self.repetition_penalty,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(),
             structured=self.structured_output(),

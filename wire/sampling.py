@@ -42,6 +42,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # vLLM's: EOS and the stop token ids cannot be sampled, and stop strings are not matched, before
+    # this many tokens are out
+    min_tokens: int = 0
     skip_special_tokens: bool = True
     # capped in the Struct too: a hostile Submit cannot make the decoder allocate more
     logit_bias: Annotated[tuple[tuple[int, float], ...], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = ()
@@ -57,6 +60,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         """Raise :class:`InvalidRequestError` naming the first field out of range."""
         least = 0 if self.prompt_logprobs is not None else 1  # 0: only the prompt, scored
         _require(self.max_tokens >= least, "max_tokens", f"must be at least {least}, got {self.max_tokens}")
+        _require(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}",
+        )
         room = max_model_len - num_prompt_tokens
         _require(
             self.max_tokens <= room,

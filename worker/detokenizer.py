@@ -65,6 +65,12 @@ class IncrementalDetokenizer:
         self._chunks: list[str] = []
         self._stop_matched: str | None = None
 
+    def arm(self, stop: Sequence[str]) -> None:
+        """Match ``stop`` from now on, in the text of the tokens after this (``min_tokens``: no stop
+        string is matched before that many tokens are out); only while none is armed."""
+        assert not self._stop and not self._held and all(stop), "stop strings armed once, non-empty"
+        self._stop = tuple(stop)
+
     @property
     def text(self) -> str:
         """Everything emitted so far."""

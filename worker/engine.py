@@ -301,7 +301,7 @@ class Engine:
                 return ended
         states = [self._states[r.request_id] for r in requests]
         rows = [
-            SamplingRow(r.sampling_params, *_penalty_tokens(r), s.generator)
+            SamplingRow(r.sampling_params, *_penalty_tokens(r), s.generator, banned=s.banned)
             for r, s in zip(requests, states, strict=True)
         ]
         constrained = [(row, s.matcher) for row, s in zip(rows, states, strict=True) if s.matcher is not None]

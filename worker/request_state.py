@@ -53,12 +53,35 @@ class RequestState:
         detokenizer = IncrementalDetokenizer(
             tokenizer,
             request.prompt_token_ids[: request.outputs_from],
-            stop=params.stop,
+            stop=params.stop if params.min_tokens == 0 else (),
             skip_special_tokens=params.skip_special_tokens,
         )
-        for token_id in request.resumed_token_ids:
+        state = cls(request, detokenizer, generator, owner)
+        for count, token_id in enumerate(request.resumed_token_ids, start=1):
             detokenizer.update([token_id])
-        return cls(request, detokenizer, generator, owner)
+            state._arm_stops(count)
+        return state
+
+    @property
+    def num_out(self) -> int:
+        """Its output tokens as the client counts them: a failover's resumed tokens included."""
+        return self.request.num_output_tokens + self.request.num_resumed
+
+    @property
+    def banned(self) -> tuple[int, ...]:
+        """The tokens it may not sample next: EOS and its stop token ids while fewer than
+        ``min_tokens`` are out."""
+        request = self.request
+        params = request.sampling_params
+        if self.num_out >= params.min_tokens:
+            return ()
+        return tuple(sorted(request.eos_token_ids | set(params.stop_token_ids)))
+
+    def _arm_stops(self, num_out: int) -> None:
+        """The stop strings are matched once ``min_tokens`` tokens are out (the last of them included)."""
+        params = self.request.sampling_params
+        if params.min_tokens and params.stop and num_out == params.min_tokens:
+            self.detokenizer.arm(params.stop)
 
     def scored(self, first_position: int, entries: list[TokenLogprobs]) -> tuple[int, list[TokenLogprobs]]:
         """Of a scored prompt's logprobs from ``first_position`` on, those not sent yet (a prompt
@@ -75,6 +98,7 @@ class RequestState:
         request = self.request
         params = request.sampling_params
         request.append_output_token(token_id)
+        self._arm_stops(self.num_out)
         if self.matcher is not None and not self.matcher.accept(token_id):
             return TokenEffect("", FinishReason.ERROR, f"structured output: {self.matcher.error}")
         if token_id in request.eos_token_ids or token_id in params.stop_token_ids:

@@ -2,9 +2,10 @@
 
 One call takes the step's logits ``[N, V]`` (float32) and one :class:`SamplingRow` per row. The order is
 
-    logits ─▶ logit_bias ─▶ grammar mask ─▶ penalties ─┬─▶ log_softmax ─▶ logprobs   (all included)
-                         ├─▶ argmax ─▶ greedy rows
-                         └─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race ─▶ sampled rows
+    logits ─▶ logit_bias ─▶ banned ─▶ grammar mask ─▶ penalties ─┬─▶ log_softmax ─▶ logprobs (all included)
+                                                                 ├─▶ argmax ─▶ greedy rows
+                                                                 └─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p
+                                                                     ─▶ exponential race ─▶ sampled rows
 
 Sampling uses the exponential race: ``argmax(probs / e)`` with ``e ~ Exp(1)`` i.i.d. picks token ``i``
 with probability ``probs[i]``. A row's noise is a hash of a key it draws each step (from its own
@@ -42,6 +43,8 @@ class SamplingRow:
     # A structured output's next-token mask (worker/structured.py): int32 words, bit ``t % 32`` of
     # word ``t // 32`` set when token ``t`` is allowed; None: every token is.
     allowed: torch.Tensor | None = None
+    # Tokens it may not pick this step (EOS and the stop token ids before ``min_tokens``)
+    banned: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -94,11 +97,12 @@ class Sampler:
         if all(
             _is_greedy(p) and not _has_penalties(p) and not _has_bias(p) and p.logprobs is None
             for p in params
-        ) and all(row.allowed is None for row in rows):
+        ) and all(row.allowed is None and not row.banned for row in rows):
             # The hot path: one kernel, and bit-identical to HF's greedy decoding.
             return SamplerOutput(self.ops.argmax(logits).tolist(), [None] * len(rows))
 
-        logits = apply_penalties(apply_allowed(apply_logit_bias(logits, rows), rows), rows)
+        for apply in (apply_logit_bias, apply_banned, apply_allowed, apply_penalties):
+            logits = apply(logits, rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
@@ -122,6 +126,18 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     col_index = torch.tensor([t for _, t, _ in biased], dtype=torch.long, device=device)
     values = torch.tensor([v for _, _, v in biased], dtype=logits.dtype, device=device)
     return logits.index_put((row_index, col_index), values, accumulate=True)
+
+
+def apply_banned(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Return ``logits`` with each row's banned tokens at -inf (one scatter); the input is left untouched."""
+    banned = [(i, token_id) for i, row in enumerate(rows) for token_id in row.banned]
+    if not banned:
+        return logits
+    device = logits.device
+    row_index = torch.tensor([i for i, _ in banned], dtype=torch.long, device=device)
+    col_index = torch.tensor([t for _, t in banned], dtype=torch.long, device=device)
+    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=device)
+    return logits.index_put((row_index, col_index), minus_inf)
 
 
 def apply_allowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -144,6 +144,8 @@ BAD_REQUESTS: list[tuple[str, str, bytes | dict[str, object], dict[str, str], in
         "prompt_logprobs",
     ),
     ("prompt_logprobs too many", CHAT, chat(prompt_logprobs=21), {}, 400, "prompt_logprobs"),
+    ("min_tokens past max_tokens", CHAT, chat(max_tokens=3, min_tokens=4), {}, 400, "min_tokens"),
+    ("negative min_tokens", COMPLETIONS, completion(prompt="hi", min_tokens=-1), {}, 400, "min_tokens"),
     (
         "prompt_logprobs negative",
         COMPLETIONS,

@@ -423,6 +423,30 @@ def test_vllm_prompt_logprobs_on_both_endpoints(client: openai.OpenAI) -> None:
     )
 
 
+def test_min_tokens_holds_back_a_stop_token_id(client: openai.OpenAI) -> None:
+    """vLLM's ``min_tokens``: the mock model's first greedy token named as a stop token ends the answer
+    at once, unless ``min_tokens`` says two tokens must come first (the first then another)."""
+    from worker.mock import MockModel
+
+    prompt = "Once upon a time"
+    first = MockModel().transcript(TOKENIZER.encode(prompt), 1)[0]
+    stopped = client.completions.create(
+        model="mock", prompt=prompt, max_tokens=5, temperature=0, extra_body={"stop_token_ids": [first]}
+    )
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage is not None
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].text == ""
+    held = client.completions.create(
+        model="mock",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        logprobs=0,
+        extra_body={"stop_token_ids": [first], "min_tokens": 2},
+    )
+    assert held.usage is not None and held.usage.completion_tokens >= 2
+    assert held.choices[0].text[:1] != chr(first - BYTE_OFFSET)  # the banned token did not come first
+
+
 def test_an_unknown_field_is_a_400_naming_it_and_no_op_fields_pass(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(

@@ -86,3 +86,23 @@ def test_a_scored_prompt_recomputed_after_a_preemption_sends_each_position_once(
     assert s.scored(1, entries) == (len(entries) + 1, [])
     s.request.append_output_token(7)
     assert not s.request.scores_prompt  # once it generates, its prompt was scored
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings_until_they_are_out() -> None:
+    # stop strings: "the" appears in the 1st to 3rd tokens (not matched), then again after min_tokens
+    s = state(SamplingParams(max_tokens=50, temperature=0.0, stop=["the"], min_tokens=5, stop_token_ids=(9,)))
+    assert s.banned == (EOS, 9)
+    effects = feed(s, "the cat the end")
+    assert effects[-1][1] is FinishReason.STOP
+    assert "".join(text for text, _ in effects) == "the cat "
+    assert s.banned == ()  # five out: EOS and the stop ids may come
+    # matched from the min_tokens-th token's text on: "y" + "z" at the 2nd and 3rd is not a match, the
+    # 4th and 5th are
+    s = state(SamplingParams(max_tokens=50, temperature=0.0, stop=["yz"], min_tokens=3))
+    effects = feed(s, "xyzyz")
+    assert [reason for _, reason in effects] == [None, None, None, None, FinishReason.STOP]
+    assert "".join(text for text, _ in effects) == "xyz"
+    # a failover's resumed tokens count as output: two of three out already, stops armed at the third
+    s = state(SamplingParams(max_tokens=50, temperature=0.0, stop=["q"], min_tokens=3), seen="ab")
+    assert s.num_out == 2 and s.banned == (EOS,)
+    assert feed(s, "cq") == [("c", None), ("", FinishReason.STOP)]

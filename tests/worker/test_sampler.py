@@ -337,3 +337,24 @@ def test_a_grammar_mask_forbids_exactly_its_clear_bits_and_only_on_its_rows() ->
     picked = Sampler()(logits, rows).token_ids
     for row, mask in ((0, words[0]), (2, words[1])):
         assert (int(mask[picked[row] // 32]) >> (picked[row] % 32)) & 1
+
+
+def test_banned_tokens_are_never_picked_greedy_or_sampled_and_count_in_logprobs() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    best = logits.argmax(dim=-1).tolist()
+    greedy = SamplingParams(temperature=0.0, logprobs=0)
+    rows = [
+        SamplingRow(greedy, [], [], None, banned=(best[0],)),
+        SamplingRow(SamplingParams(temperature=1.0, top_k=1), [], [], None, banned=(best[1], 7)),
+        SamplingRow(greedy, [], [], None),  # no ban: its best
+    ]
+    out = Sampler()(logits, rows)
+    second = logits[0].clone()
+    second[best[0]] = float("-inf")
+    assert out.token_ids[0] == int(second.argmax()) and out.token_ids[1] not in (best[1], 7)
+    assert out.token_ids[2] == best[2]
+    first = out.logprobs[0]
+    assert first is not None and first.logprob == pytest.approx(
+        float(second.log_softmax(-1)[out.token_ids[0]])
+    )
