@@ -58,8 +58,8 @@ class RequestState:
         )
         state = cls(request, detokenizer, generator, owner)
         for count, token_id in enumerate(request.resumed_token_ids, start=1):
+            state._arm_stops(count)  # as ``take`` arms them: before the token's text
             detokenizer.update([token_id])
-            state._arm_stops(count)
         return state
 
     @property
