@@ -365,6 +365,7 @@ class ChatRenderer(DataEvents):
         return self._chunk([], usage)
 
     def whole(self, choices: Sequence[ChoiceResult], usage: UsageInfo) -> object:
+        scored = UNSET if self.scoring is None else self.scoring.render(choices[0].prompt_logprobs)
         return ChatCompletion(
             id=self.request_id,
             created=self.created,
@@ -372,9 +373,7 @@ class ChatRenderer(DataEvents):
             choices=[self._choice(c) for c in choices],
             usage=usage,
             service_tier=self.service_tier,
-            prompt_logprobs=UNSET
-            if self.scoring is None
-            else self.scoring.render(choices[0].prompt_logprobs),
+            prompt_logprobs=scored,
         )
 
     def _choice(self, c: ChoiceResult) -> ChatChoice:
