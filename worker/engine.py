@@ -25,7 +25,7 @@ from worker.model_runner import StepRunner
 from worker.models.config import ModelConfig
 from worker.outputs import Completion, RequestOutput
 from worker.policy_set import WorkerPolicies
-from worker.prompt_logprobs import ScoreSpan, score_spans
+from worker.prompt_logprobs import ScoreSpan
 from worker.request import FinishReason, Request, TierRef
 from worker.request_state import RequestState
 from worker.sampler import Sampler, SamplingRow, TokenLogprobs, make_generator, token_logprobs
@@ -249,7 +249,6 @@ class Engine:
             time.sleep(0.001)  # only grammars compiling: wait for them without spinning a core
             return []
         self.observer.on_schedule(out)
-        spans = score_spans(out.scheduled, out.num_scheduled_tokens)  # before the scheduler advances them
         try:
             requests, logits = self.runner.execute(out)
         except Exception:
@@ -259,7 +258,7 @@ class Engine:
             self.observer.on_step_done(out, failed)
             return failed
         self.scheduler.postprocess(out)  # the runner's requests are those it returns, in its order
-        scores = self._score(spans, logits[len(requests) :]) if spans else {}  # rows after the sampled
+        scores = self._score(out.score_spans, logits[len(requests) :]) if out.score_spans else {}
         outputs = self._sample(requests, logits[: len(requests)], scores) if requests else []
         for request_id, scored in scores.items():  # scored prompts not yet sampling: their logprobs alone
             state = self._states[request_id]

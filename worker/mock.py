@@ -31,7 +31,6 @@ from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.models.config import ModelConfig
 from worker.policy_set import WorkerPolicies
-from worker.prompt_logprobs import score_spans
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
 
@@ -162,7 +161,7 @@ class MockRunner:
             if end == request.num_tokens:
                 sampled.append(request)
                 token_ids.append(self.model.next_token_id(request.all_token_ids))
-        for span in score_spans(out.scheduled, out.num_scheduled_tokens):  # rows after the sampled ones
+        for span in out.score_spans:  # rows after the sampled ones
             tokens, first = span.request.all_token_ids, span.first_position
             predicts = range(first, first + span.num_rows)
             token_ids.extend(self.model.next_token_id(tokens[:p]) for p in predicts)

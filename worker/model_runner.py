@@ -11,7 +11,7 @@ For a step with a decode of request A (context 37) and a prefill chunk of B (tok
 
 Only the last token of a request whose prompt is now fully computed is turned into logits, and after
 those rows, the rows of a prompt that is scored (``SamplingParams.prompt_logprobs``: every row whose
-next token is a prompt token, ``worker.prompt_logprobs.score_spans``).
+next token is a prompt token: ``SchedulerOutput.score_spans``).
 
 Kernels: the torch references on CPU, the Triton kernels on CUDA (``EngineConfig.kernel_backend``), the
 choice logged once at startup. A decode-only step (every sequence one new token) may take a faster
@@ -68,7 +68,6 @@ from worker.models.quant import (
     use_triton_quant_kernels,
 )
 from worker.models.store import kernel_cache_dir
-from worker.prompt_logprobs import score_spans
 from worker.request import Request
 from worker.scheduler import SchedulerOutput
 
@@ -111,7 +110,7 @@ class StepRunner(Protocol):
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """The requests whose next token is sampled, and the logits: one row for each of them, in that
-        order, then one for each row of the step's ``score_spans`` in theirs."""
+        order, then one for each row of ``out.score_spans`` in theirs."""
         ...
 
 
@@ -205,7 +204,7 @@ class StepInputs:
 
 def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list[Request]]:
     """``out`` as model inputs, and the requests whose last new token is sampled (in row order); the
-    logits rows are theirs, then those of the step's scored prompts (``score_spans``)."""
+    logits rows are theirs, then those of the step's scored prompts (``out.score_spans``)."""
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -229,10 +228,9 @@ def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list
         if end == request.num_tokens:
             logits_indices.append(query_start_loc[-1] - 1)
             sampled.append(request)
-    spans = score_spans(out.scheduled, out.num_scheduled_tokens)
-    if spans:  # each request's rows start at its query_start_loc
+    if out.score_spans:  # each request's rows start at its query_start_loc
         first_rows = {r.request_id: row for r, row in zip(out.scheduled, query_start_loc[:-1], strict=True)}
-        for scored in spans:
+        for scored in out.score_spans:
             first = first_rows[scored.request.request_id]
             logits_indices.extend(range(first, first + scored.num_rows))
     step = StepInputs(

@@ -3,9 +3,9 @@
 Row ``p`` of a request (the token at position ``p``) predicts the token at ``p + 1``: a prompt chunk of
 positions ``[start, end)`` scores the prompt tokens ``start + 1 .. end`` that are the client's
 (``Request.outputs_from``); the last prompt position's row predicts the first output token, which the
-sampler picks. The runner returns those rows' logits after the sampled rows' (``score_spans`` gives
-both the same rows), and the engine turns them into logprobs as the sampler does its tokens'
-(``worker.sampler.token_logprobs``, a few rows at a time):
+sampler picks. The scheduler names a step's scoring rows once (``SchedulerOutput.score_spans``, from
+``score_spans``); the runner returns their logits after the sampled rows', and the engine turns them
+into logprobs as the sampler does its tokens' (``worker.sampler.token_logprobs``, a few rows at a time):
 
     logits [rows, V] ─▶ log_softmax ─▶ the prompt token's logprob and rank, and the ``k`` most likely
 

@@ -40,6 +40,7 @@ from policies.base import SlotSharing, StepLimits, StepReport
 from policies.step_time import MIN_CHUNK_TOKENS, StepTimeLimit
 from worker.kv_cache import KVCacheManager
 from worker.policy_set import WorkerPolicies
+from worker.prompt_logprobs import ScoreSpan, score_spans
 from worker.request import SCORE_CHUNK_TOKENS, FinishReason, Request, RequestStatus
 
 
@@ -111,6 +112,9 @@ class SchedulerOutput:
     scheduled: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    # the rows that score a prompt, in row order (worker/prompt_logprobs.py): the runner returns their
+    # logits after the sampled rows', the engine reads them there
+    score_spans: list[ScoreSpan] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -189,6 +193,7 @@ class Scheduler:
             return (not is_decode, -r.num_tokens if is_decode else 0)
 
         out.scheduled = sorted(scheduled, key=layout)
+        out.score_spans = score_spans(out.scheduled, out.num_scheduled_tokens)
         return out
 
     def _schedule_running(
