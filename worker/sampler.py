@@ -119,25 +119,29 @@ class Sampler:
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Return ``logits`` with each row's ``logit_bias`` added (one scatter); the input is left untouched."""
     biased = [(i, token_id, value) for i, row in enumerate(rows) for token_id, value in row.params.logit_bias]
-    if not biased:
-        return logits
-    device = logits.device
-    row_index = torch.tensor([i for i, _, _ in biased], dtype=torch.long, device=device)
-    col_index = torch.tensor([t for _, t, _ in biased], dtype=torch.long, device=device)
-    values = torch.tensor([v for _, _, v in biased], dtype=logits.dtype, device=device)
-    return logits.index_put((row_index, col_index), values, accumulate=True)
+    return _scatter(logits, biased, accumulate=True)
 
 
 def apply_banned(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Return ``logits`` with each row's banned tokens at -inf (one scatter); the input is left untouched."""
-    banned = [(i, token_id) for i, row in enumerate(rows) for token_id in row.banned]
-    if not banned:
+    minus_inf = float("-inf")
+    return _scatter(
+        logits, [(i, token_id, minus_inf) for i, row in enumerate(rows) for token_id in row.banned]
+    )
+
+
+def _scatter(
+    logits: torch.Tensor, cells: list[tuple[int, int, float]], accumulate: bool = False
+) -> torch.Tensor:
+    """``logits`` with each (row, token, value) cell set, or added to where ``accumulate``, in one
+    ``index_put`` (a new tensor; ``logits`` itself when there are none)."""
+    if not cells:
         return logits
     device = logits.device
-    row_index = torch.tensor([i for i, _ in banned], dtype=torch.long, device=device)
-    col_index = torch.tensor([t for _, t in banned], dtype=torch.long, device=device)
-    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=device)
-    return logits.index_put((row_index, col_index), minus_inf)
+    row_index = torch.tensor([i for i, _, _ in cells], dtype=torch.long, device=device)
+    col_index = torch.tensor([t for _, t, _ in cells], dtype=torch.long, device=device)
+    values = torch.tensor([v for _, _, v in cells], dtype=logits.dtype, device=device)
+    return logits.index_put((row_index, col_index), values, accumulate=accumulate)
 
 
 def apply_allowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
