@@ -40,8 +40,9 @@ from gateway.endpoint import CHAT, COMPLETIONS, RESPONSES, Body, Endpoint
 from gateway.errors import APIError
 from gateway.identity import Identity, identify, with_service_tier
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.openai_api import EchoedPrompt, ModelCard, ModelList, PromptScoring, Rendering
+from gateway.openai_api import EchoedPrompt, PromptScoring, Rendering
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
+from gateway.openai_types import ModelCard, ModelList
 from gateway.placement import place_prompts
 from gateway.sse import ClientDisconnected
 from gateway.state import Gateway, Placement

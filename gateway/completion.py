@@ -31,7 +31,8 @@ from gateway.completion_spans import ChoiceProgress, response_attributes, route_
 from gateway.errors import APIError
 from gateway.identity import Identity
 from gateway.logprobs import merge_prompt_logprobs
-from gateway.openai_api import ChoiceResult, Renderer, UsageInfo, finish_reason
+from gateway.openai_api import ChoiceResult, Renderer, finish_reason
+from gateway.openai_types import UsageInfo
 from gateway.request_stream import DispatchError, RequestStream
 from gateway.sse import ClientDisconnected, EventStreamResponse, until_disconnect
 from gateway.state import Gateway

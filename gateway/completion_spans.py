@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway.openai_api import UsageInfo
+from gateway.openai_types import UsageInfo
 from gateway.request_stream import RequestStream
 from telemetry import attributes as attr
 from wire.messages import TokenDelta, TokenLogprob

@@ -1,5 +1,5 @@
-"""The OpenAI response bodies this gateway sends, as msgspec Structs, and their rendering (the
-requests: openai_requests.py).
+"""The rendering of a request's TokenDeltas into the OpenAI response bodies (gateway/openai_types.py;
+the requests: openai_requests.py).
 
 A request becomes one or more *choices* (``n`` of them per prompt; ``/v1/completions`` also takes a
 list of prompts), each a Submit of its own; a :class:`Renderer` turns their TokenDeltas back into one
@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET
 
 from gateway.logprobs import (
     ChatLogprobs,
@@ -27,146 +27,27 @@ from gateway.logprobs import (
     merge_prompt_logprobs,
     vllm_prompt_logprobs,
 )
+from gateway.openai_types import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    FinishReason,
+    FunctionCall,
+    ToolCall,
+    ToolCallDelta,
+    UsageInfo,
+)
 from gateway.tool_calls import AnswerParser, ParsedCall, answer_parser, parse_whole
 from gateway.tools import ToolSpec
-from wire.messages import TokenDelta, TokenLogprob, Usage
+from wire.messages import TokenDelta, TokenLogprob
 
 if TYPE_CHECKING:
     from gateway.errors import ErrorBody
-
-# ---------------------------------------------------------------- responses
-
-
-class PromptTokensDetails(msgspec.Struct, kw_only=True):
-    cached_tokens: int = 0
-
-
-class UsageInfo(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-    @classmethod
-    def total(cls, usages: Sequence[Usage], prompt_of: Sequence[int]) -> UsageInfo:
-        """The usage of a request whose choice ``i`` ran prompt ``prompt_of[i]``. As OpenAI counts it: a
-        prompt shared by ``n`` choices once, every choice's completion tokens."""
-        prompts: dict[int, Usage] = {}
-        for usage, prompt in zip(usages, prompt_of, strict=True):
-            prompts.setdefault(prompt, usage)
-        num_prompt = sum(u.prompt_tokens for u in prompts.values())
-        num_cached = sum(u.cached_tokens for u in prompts.values())
-        num_completion = sum(u.completion_tokens for u in usages)
-        return cls(
-            prompt_tokens=num_prompt,
-            completion_tokens=num_completion,
-            total_tokens=num_prompt + num_completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
-        )
-
-
-FinishReason = Literal["stop", "length", "tool_calls"]
-
-
-class FunctionCall(msgspec.Struct, kw_only=True):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCall(msgspec.Struct, kw_only=True):
-    id: str
-    type: str = "function"
-    function: FunctionCall
-
-
-class ToolCallDelta(msgspec.Struct, kw_only=True):
-    """A call in a stream: sent whole, once its block has closed (``index`` counts the choice's calls)."""
-
-    index: int
-    id: str
-    type: str = "function"
-    function: FunctionCall
-
-
-class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """``tool_calls`` is left out when there are none, as OpenAI does (hence no default on role)."""
-
-    role: str
-    content: str | None  # None: only tool calls
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(msgspec.Struct, kw_only=True):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None
-
-
-class ChatCompletion(msgspec.Struct, kw_only=True):
-    id: str
-    object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    service_tier: str | None = None  # OpenAI's name of the tier it ran at (ServerConfig.service_tier_name)
-    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, where asked for (else left out)
-
-
-class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChatChunkChoice(msgspec.Struct, kw_only=True):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-    service_tier: str | None = None
-
-
-class CompletionChoice(msgspec.Struct, kw_only=True):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, where asked for (else left out)
-
-
-class Completion(msgspec.Struct, kw_only=True):
-    """Both the whole answer and each streamed chunk: OpenAI uses ``text_completion`` for both."""
-
-    id: str
-    object: str = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(msgspec.Struct, kw_only=True):
-    id: str
-    object: str = "model"
-    created: int
-    owned_by: str = "tierserve"
-
-
-class ModelList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[ModelCard]
-
 
 # ---------------------------------------------------------------- rendering a request's TokenDeltas
 # One renderer per request: it knows the id, model and creation time every body repeats, and whether

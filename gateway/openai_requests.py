@@ -1,4 +1,5 @@
-"""The OpenAI request bodies this gateway takes, as msgspec Structs (the responses: openai_api.py).
+"""The OpenAI request bodies this gateway takes, as msgspec Structs (the responses: openai_types.py,
+rendered by openai_api.py).
 
 Requests decode straight from the body bytes (``decode_chat`` / ``decode_completion``); a wrong type
 becomes :class:`~wire.errors.InvalidRequestError` naming the field, as the client wrote it. A

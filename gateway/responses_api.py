@@ -30,7 +30,8 @@ import msgspec
 
 from gateway.errors import ErrorBody
 from gateway.logprobs import ChatTokenLogprob, TokenTexts, chat_logprobs
-from gateway.openai_api import ChoiceResult, FinishReason, Rendering, UsageInfo, finish_reason, with_calls
+from gateway.openai_api import ChoiceResult, Rendering, finish_reason, with_calls
+from gateway.openai_types import FinishReason, UsageInfo
 from gateway.responses_requests import ResponsesChat, ResponsesRequest
 from gateway.tool_calls import AnswerParser, ParsedCall, answer_parser, parse_whole
 from gateway.tools import ToolSpec

@@ -19,9 +19,9 @@ from gateway.openai_api import (
     CompletionRenderer,
     EchoedPrompt,
     PromptScoring,
-    UsageInfo,
 )
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest, decode_chat, decode_completion
+from gateway.openai_types import UsageInfo
 from gateway.request_stream import NoWorkerAvailable, WorkerLost, WorkerRejected
 from wire.errors import InvalidRequestError
 from wire.messages import TokenDelta, TokenLogprob, Usage

@@ -13,7 +13,8 @@ from openai.types.responses import ResponseStreamEvent
 
 from gateway.errors import APIError, invalid
 from gateway.logprobs import TokenTexts
-from gateway.openai_api import ChoiceResult, UsageInfo
+from gateway.openai_api import ChoiceResult
+from gateway.openai_types import UsageInfo
 from gateway.responses_api import ResponsesRenderer
 from gateway.responses_requests import ResponsesChat, decode_responses, responses_field
 from wire.errors import InvalidRequestError

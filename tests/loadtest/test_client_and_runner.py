@@ -14,7 +14,8 @@ import msgspec
 import pytest
 
 from gateway.errors import APIError
-from gateway.openai_api import ChoiceResult, UsageInfo
+from gateway.openai_api import ChoiceResult
+from gateway.openai_types import UsageInfo
 from gateway.responses_api import ResponsesRenderer
 from gateway.responses_requests import decode_responses
 from loadtest.arrivals import ArrivalKind, ArrivalSpec
