@@ -39,6 +39,7 @@ from gateway.drain import DrainMiddleware
 from gateway.endpoint import CHAT, COMPLETIONS, RESPONSES, Body, Endpoint
 from gateway.errors import APIError
 from gateway.identity import Identity, identify, with_service_tier
+from gateway.logprobs import TokenTexts
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.openai_api import EchoedPrompt, PromptScoring, Rendering
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -46,6 +47,7 @@ from gateway.openai_types import ModelCard, ModelList
 from gateway.placement import place_prompts
 from gateway.sse import ClientDisconnected
 from gateway.state import Gateway, Placement
+from gateway.tokenizer import bad_word_ids
 from gateway.workers import WorkerState
 from telemetry import attributes as attr
 from telemetry.http import ServerSpanMiddleware
@@ -201,7 +203,7 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
         placement, prompt_ids = await place_prompts(
             gateway, parsed.model, identity.tier, prompts, seats=seats
         )
-        texts = gateway.token_texts(placement.model) if endpoint.wants_logprobs(parsed) else None
+        texts = _token_texts(gateway, placement.model, parsed) if endpoint.wants_logprobs(parsed) else None
         request_id = f"{endpoint.id_prefix}{uuid.uuid4().hex}"
         tool_spec = endpoint.tool_spec(parsed)
         if tool_spec is not None:  # read the answer as the placed model's template taught it
@@ -215,7 +217,16 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
         scoring = (
             None if num_scored is None else PromptScoring(gateway.token_texts(placement.model), num_scored)
         )
-        rendering = Rendering(request_id, placement.model, texts, tool_spec, service_tier, echo, scoring)
+        rendering = Rendering(
+            request_id,
+            placement.model,
+            texts,
+            tool_spec,
+            service_tier,
+            echo,
+            scoring,
+            prompt_ids if endpoint.return_token_ids(parsed) else None,
+        )
         renderer = endpoint.renderer(parsed, rendering)
         _classified(gateway, span, identity, placement, prompt_ids)
         if gateway.telemetry.capture_content:
@@ -242,6 +253,16 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
         return await respond(gateway, job, request.receive)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+def _token_texts(
+    gateway: Gateway, model: str, parsed: ChatCompletionRequest | CompletionRequest
+) -> TokenTexts:
+    """How logprobs name tokens: by their text, or (vLLM's ``return_tokens_as_token_ids``) as
+    ``token_id:<id>``, which names every token uniquely whatever its bytes."""
+    if parsed.return_tokens_as_token_ids:
+        return TokenTexts(lambda token_id: f"token_id:{token_id}".encode())
+    return gateway.token_texts(model)
 
 
 async def _echoed(
@@ -291,6 +312,9 @@ def _sampling(
     _check(lambda: check_prompt(prompt_ids, vocab_size=vocab_size, max_model_len=max_model_len, field=param))
     assert max_model_len is not None  # looked up for every prompt ``check_prompt`` lets through
     sampling = _check(lambda: parsed.to_sampling(max_model_len - num_prompt))
+    if parsed.bad_words:  # as the placed model's tokenizer writes them
+        words = _check(lambda: bad_word_ids(gateway.builder(model), parsed.bad_words or ()))
+        sampling = msgspec.structs.replace(sampling, bad_words=words)
     _check(
         lambda: sampling.validate(
             vocab_size=vocab_size or 1 << 31, max_model_len=max_model_len, num_prompt_tokens=num_prompt

@@ -243,6 +243,7 @@ class _Run:
             async for index, delta in streams:
                 self._on_delta(index, delta)
                 self.progress[index].text.append(delta.text)
+                self.progress[index].token_ids.extend(delta.token_ids)
                 if self._done():
                     break
         except DispatchError as exc:
@@ -256,6 +257,7 @@ class _Run:
                 logprobs=p.logprobs,
                 finish_reason=finish_reason(p.last),
                 prompt_logprobs=p.prompt_logprobs,
+                token_ids=p.token_ids,
             )
             for choice, p in zip(self.job.choices, self.progress, strict=True)
         ]

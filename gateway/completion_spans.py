@@ -26,6 +26,7 @@ class ChoiceProgress:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # a scored prompt's (echo)
+    token_ids: list[int] = field(default_factory=list)  # a whole answer's (vLLM's return_token_ids)
     last: TokenDelta | None = None
     num_tokens: int = 0
     first_at: float | None = None

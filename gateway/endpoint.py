@@ -42,8 +42,16 @@ class Prompts:
     content: object  # as the client sent them, for the span when content capture is on
     num_prompts: int  # each one runs ``n`` choices
     has_token_ids: bool  # sent as token ids: only the tokenizer that made them can run them
-    texts: list[str | None]  # each prompt's text as the client sent it (None: sent as token ids)
+    texts: list[str | None]  # each prompt's text as the client sent it (None: token ids, or truncated)
     tokenize: Callable[[PromptBuilder], Awaitable[list[list[int]]]]  # in a thread, never on the loop
+    keep_last: int | None = None  # vLLM's truncate_prompt_tokens: keep only a prompt's last tokens
+
+    def truncated(self, prompt_ids: list[list[int]], context: int) -> list[list[int]]:
+        """Each prompt's last ``keep_last`` tokens; -1: as many as leave one token of ``context``."""
+        if self.keep_last is None:
+            return prompt_ids
+        keep = context - 1 if self.keep_last == -1 else self.keep_last
+        return [ids[-keep:] if len(ids) > keep else ids for ids in prompt_ids]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +68,7 @@ class Endpoint(Generic[Body]):
     field_name: Callable[[str], str] = str  # a field as this API names it, in errors (chat's name given)
     echo: Callable[[Body], bool] = lambda body: False  # the legacy API's: the prompts repeated in the answer
     prompt_logprobs: Callable[[Body], int | None] = lambda body: None  # vLLM's: the prompt's logprobs
+    return_token_ids: Callable[[Body], bool] = lambda body: False  # vLLM's: prompt and answer token ids
 
 
 def chat_prompts(body: ChatCompletionRequest, max_prompts: int) -> Prompts:
@@ -68,29 +77,34 @@ def chat_prompts(body: ChatCompletionRequest, max_prompts: int) -> Prompts:
     default tool format (gateway/tools.py)."""
     spec = body.tool_spec()
     messages = template_messages(body.messages, spec)  # bad calls in the history: a 400 now
+    options = body.chat_options()
 
     async def tokenize(builder: PromptBuilder) -> list[list[int]]:
         rendered, tools = chat_prompt(body.messages, spec, builder.supports_tools)
         try:
-            return [await asyncio.to_thread(builder.chat_ids, rendered, True, tools)]
+            return [await asyncio.to_thread(builder.chat_ids, rendered, options, tools)]
         except TemplateError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None
 
-    return Prompts("messages", messages, 1, False, [None], tokenize)
+    return Prompts("messages", messages, 1, False, [None], tokenize, body.truncation())
 
 
 def completion_prompts(body: CompletionRequest, max_prompts: int) -> Prompts:
     """Text prompts, or token-id prompts taken as they are."""
     prompts = body.prompts(max_prompts)
+    specials = body.add_special_tokens
 
     async def tokenize(builder: PromptBuilder) -> list[list[int]]:
         return [
-            await text_ids_async(builder, prompt) if isinstance(prompt, str) else list(prompt)
+            await text_ids_async(builder, prompt, specials) if isinstance(prompt, str) else list(prompt)
             for prompt in prompts
         ]
 
-    texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
-    return Prompts("prompt", prompts, len(prompts), None in texts, texts, tokenize)
+    keep_last = body.truncation()
+    has_token_ids = not all(isinstance(prompt, str) for prompt in prompts)
+    # a truncated prompt is echoed as its tokens decoded: the text sent is not what ran
+    texts = [prompt if isinstance(prompt, str) and keep_last is None else None for prompt in prompts]
+    return Prompts("prompt", prompts, len(prompts), has_token_ids, texts, tokenize, keep_last)
 
 
 CHAT: Endpoint[ChatCompletionRequest] = Endpoint(
@@ -99,13 +113,21 @@ CHAT: Endpoint[ChatCompletionRequest] = Endpoint(
     prompts=chat_prompts,
     wants_logprobs=lambda body: body.logprobs,
     renderer=lambda body, r: ChatRenderer(
-        r.request_id, r.model, body.include_usage, r.texts, r.tools, r.service_tier, r.scoring
+        r.request_id,
+        r.model,
+        body.include_usage,
+        r.texts,
+        r.tools,
+        r.service_tier,
+        r.scoring,
+        None if r.prompt_ids is None else r.prompt_ids[0],
     ),
     tool_spec=lambda body: body.tool_spec(),
     service_tier=lambda body: body.service_tier,
     id_prefix="chatcmpl-",
     operation="chat",
     prompt_logprobs=lambda body: body.prompt_logprobs,
+    return_token_ids=lambda body: body.return_token_ids,
 )
 COMPLETIONS: Endpoint[CompletionRequest] = Endpoint(
     path="/v1/completions",
@@ -113,7 +135,15 @@ COMPLETIONS: Endpoint[CompletionRequest] = Endpoint(
     prompts=completion_prompts,
     wants_logprobs=lambda body: body.logprobs is not None,  # the legacy API: a count, 0 included
     renderer=lambda body, r: CompletionRenderer(
-        r.request_id, r.model, body.include_usage, r.texts, r.echo, body.n, r.scoring, body.logprobs or 0
+        r.request_id,
+        r.model,
+        body.include_usage,
+        r.texts,
+        r.echo,
+        body.n,
+        r.scoring,
+        body.logprobs or 0,
+        r.prompt_ids,
     ),
     tool_spec=lambda body: None,
     service_tier=lambda body: None,
@@ -121,6 +151,7 @@ COMPLETIONS: Endpoint[CompletionRequest] = Endpoint(
     operation="text_completion",
     echo=lambda body: body.echo,
     prompt_logprobs=lambda body: body.prompt_logprobs,
+    return_token_ids=lambda body: body.return_token_ids,
 )
 RESPONSES: Endpoint[ResponsesChat] = Endpoint(
     path="/v1/responses",

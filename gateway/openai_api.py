@@ -38,6 +38,7 @@ from gateway.openai_types import (
     CompletionChoice,
     FinishReason,
     FunctionCall,
+    TokenIds,
     ToolCall,
     ToolCallDelta,
     UsageInfo,
@@ -70,6 +71,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprob]
     finish_reason: FinishReason | None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # a scored prompt's, positions 1 on
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,7 @@ class Rendering:
     service_tier: str | None  # what the answer says the request ran at
     echo: list[EchoedPrompt] | None = None  # per prompt: the legacy API's echo
     scoring: PromptScoring | None = None  # vLLM's prompt_logprobs
+    prompt_ids: list[list[int]] | None = None  # per prompt, where vLLM's return_token_ids asks for them
 
 
 class Renderer(Protocol):
@@ -178,12 +181,15 @@ class ChatRenderer(DataEvents):
         tools: ToolSpec | None = None,
         service_tier: str | None = None,
         scoring: PromptScoring | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> None:
         """``texts``: given when logprobs were asked for; ``tools``: the request's, whose calls are
         parsed out of each choice's text (gateway/tools.py) unless tool_choice is ``none``;
         ``service_tier``: what every chunk and the whole answer say the request ran at; ``scoring``:
-        vLLM's ``prompt_logprobs``, on the whole answer (every choice scores the same prompt)."""
+        vLLM's ``prompt_logprobs``, on the whole answer (every choice scores the same prompt);
+        ``prompt_ids``: given for vLLM's ``return_token_ids``, with every choice's token ids."""
         self.scoring = scoring
+        self.prompt_ids = None if prompt_ids is None else list(prompt_ids)
         self.request_id = request_id
         self.model = model
         self.service_tier = service_tier
@@ -193,7 +199,9 @@ class ChatRenderer(DataEvents):
         self.created = int(time.time())
         self._parsers: dict[int, AnswerParser] = {}  # choice index → its stream's parser
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+    def _chunk(
+        self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None, prompt_ids: TokenIds = UNSET
+    ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.request_id,
             created=self.created,
@@ -201,7 +209,11 @@ class ChatRenderer(DataEvents):
             choices=choices,
             usage=usage,
             service_tier=self.service_tier,
+            prompt_token_ids=prompt_ids,
         )
+
+    def _ids(self, token_ids: Sequence[int]) -> TokenIds:
+        return UNSET if self.prompt_ids is None else list(token_ids)
 
     def _logprobs(self, entries: Sequence[TokenLogprob] | None) -> ChatLogprobs | None:
         if self.texts is None:
@@ -209,7 +221,8 @@ class ChatRenderer(DataEvents):
         return ChatLogprobs(content=chat_logprobs(self.texts, entries or ()))
 
     def opening(self, index: int) -> list[object]:
-        return [self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])]
+        role = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+        return [self._chunk([role], prompt_ids=UNSET if self.prompt_ids is None else self.prompt_ids)]
 
     def chunks(self, index: int, delta: TokenDelta, usage: UsageInfo | None = None) -> list[object]:
         out: list[object] = []
@@ -224,9 +237,13 @@ class ChatRenderer(DataEvents):
             if delta.finish_reason is not None:
                 rest, more = parser.finish()
                 text, calls = text + rest, calls + more
-        if text or (self.texts is not None and delta.logprobs):
+        has_ids = self.prompt_ids is not None and bool(delta.token_ids)
+        if text or (self.texts is not None and delta.logprobs) or has_ids:
             choice = ChatChunkChoice(
-                index=index, delta=ChatDelta(content=text), logprobs=self._logprobs(delta.logprobs)
+                index=index,
+                delta=ChatDelta(content=text),
+                logprobs=self._logprobs(delta.logprobs),
+                token_ids=self._ids(delta.token_ids),
             )
             out.append(self._chunk([choice], usage))
         if calls:
@@ -255,6 +272,7 @@ class ChatRenderer(DataEvents):
             usage=usage,
             service_tier=self.service_tier,
             prompt_logprobs=scored,
+            prompt_token_ids=UNSET if self.prompt_ids is None else self.prompt_ids,
         )
 
     def _choice(self, c: ChoiceResult) -> ChatChoice:
@@ -268,6 +286,7 @@ class ChatRenderer(DataEvents):
             message=AssistantMessage(role="assistant", content=content, tool_calls=tool_calls or None),
             logprobs=self._logprobs(c.logprobs),
             finish_reason=with_calls(c.finish_reason, calls),
+            token_ids=self._ids(c.token_ids),
         )
 
 
@@ -292,12 +311,16 @@ class CompletionRenderer(DataEvents):
         n: int = 1,
         scoring: PromptScoring | None = None,
         num_top: int = 0,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """``echo``: each prompt, repeated before its choices' answers (``n`` choices a prompt, choice
         ``i`` of prompt ``i // n``), with its tokens' logprobs where ``texts`` is given, ``num_top``
         alternatives each (the answer's ``logprobs``); ``scoring``: vLLM's ``prompt_logprobs``, on each
-        choice of a whole answer."""
+        choice of a whole answer; ``prompt_ids``: each prompt's, for vLLM's ``return_token_ids``, on
+        its choices (a stream's first chunk of each), with their token ids."""
         self.scoring = scoring
+        self.prompt_ids = None if prompt_ids is None else [list(ids) for ids in prompt_ids]
+        self._opened: set[int] = set()  # choices whose first chunk went out
         self.num_top = num_top
         self.request_id = request_id
         self.model = model
@@ -348,6 +371,25 @@ class CompletionRenderer(DataEvents):
     def opening(self, index: int) -> list[object]:
         return []  # text completions have no role chunk
 
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        logprobs: CompletionLogprobs | None,
+        reason: FinishReason | None,
+        token_ids: Sequence[int],
+        *,
+        first: bool,
+    ) -> CompletionChoice:
+        """One choice's body; with vLLM's ``return_token_ids``, its token ids and, where ``first``,
+        its prompt's."""
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)
+        if self.prompt_ids is not None:
+            choice.token_ids = list(token_ids)
+            if first:
+                choice.prompt_token_ids = self.prompt_ids[index // self.n]
+        return choice
+
     def chunks(self, index: int, delta: TokenDelta, usage: UsageInfo | None = None) -> list[object]:
         if self.echo is not None and index not in self._echoed_choices:  # the prompt goes first
             scored = self._scored.setdefault(index, [])
@@ -357,21 +399,15 @@ class CompletionRenderer(DataEvents):
                 return []  # its prompt's logprobs so far: they go out with the echo
             text, logprobs = self._echoed(index, delta.text, delta.logprobs, self._scored.pop(index))
             self._echoed_choices.add(index)
-            reason = finish_reason(delta)
-            return [
-                self._body(
-                    [CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)], usage
-                )
-            ]
-        has_logprobs = self.texts is not None and bool(delta.logprobs)
-        if not (delta.text or has_logprobs or delta.finish_reason is not None):
-            return []
-        choice = CompletionChoice(
-            index=index,
-            text=delta.text,
-            logprobs=self._logprobs(index, delta.logprobs),
-            finish_reason=finish_reason(delta),
-        )
+        else:
+            has_logprobs = self.texts is not None and bool(delta.logprobs)
+            has_ids = self.prompt_ids is not None and bool(delta.token_ids)
+            if not (delta.text or has_logprobs or has_ids or delta.finish_reason is not None):
+                return []
+            text, logprobs = delta.text, self._logprobs(index, delta.logprobs)
+        first = index not in self._opened
+        self._opened.add(index)
+        choice = self._choice(index, text, logprobs, finish_reason(delta), delta.token_ids, first=first)
         return [self._body([choice], usage)]
 
     def usage_chunk(self, usage: UsageInfo) -> object:
@@ -381,9 +417,7 @@ class CompletionRenderer(DataEvents):
         out = []
         for c in choices:
             text, logprobs = self._echoed(c.index, c.text, c.logprobs, c.prompt_logprobs)
-            choice = CompletionChoice(
-                index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason
-            )
+            choice = self._choice(c.index, text, logprobs, c.finish_reason, c.token_ids, first=True)
             if self.scoring is not None:
                 choice.prompt_logprobs = self.scoring.render(c.prompt_logprobs)
             out.append(choice)

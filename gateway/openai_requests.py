@@ -25,6 +25,7 @@ import msgspec
 
 from gateway import tools
 from gateway.chat_messages import ChatMessage, check_messages
+from gateway.tokenizer import RESERVED_TEMPLATE_VARIABLES, ChatOptions
 from gateway.tools import NamedToolChoice, ToolDef, ToolSpec
 from wire.errors import InvalidRequestError
 from wire.messages import MAX_PRIORITY
@@ -147,12 +148,21 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # tokenized for the placed model: ``bad_word_ids``
     # vLLM's scheduling priority: within the request's SLA tier, lower runs first (default 0). The
     # tier (X-SLA-Tier, the tenant's default) always comes first; docs/api.md says how they combine.
     priority: Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY - 1, le=MAX_PRIORITY)] = 0
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's: JSON schema, regex, choice, grammar
     # vLLM's: each prompt token's logprob, rank and this many alternatives (the prompt scored); not streamed
     prompt_logprobs: int | None = None
+    # vLLM's: only the prompt's last this many tokens (-1: as many as the model's context takes)
+    truncate_prompt_tokens: int | None = None
+    # vLLM's: the prompt's and the answer's token ids in the answer (what RL trainers read back)
+    return_token_ids: bool = False
+    # vLLM's: logprobs name each token "token_id:<id>" instead of its text
+    return_tokens_as_token_ids: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -168,6 +178,13 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def check_n(self, max_n: int) -> None:
         if not 1 <= self.n <= max_n:
             raise InvalidRequestError("n", f"must be between 1 and {max_n}, got {self.n}")
+
+    def truncation(self) -> int | None:
+        """How many of a prompt's last tokens to keep (None: all; -1: as many as the context takes)."""
+        keep = self.truncate_prompt_tokens
+        if keep is not None and keep != -1 and keep < 1:
+            raise InvalidRequestError("truncate_prompt_tokens", f"must be -1 or at least 1, got {keep}")
+        return keep
 
     def check_no_op_fields(self) -> None:
         """The OpenAI fields accepted only where they change nothing (``store``; the legacy ones are
@@ -197,6 +214,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             logit_bias=self._logit_bias(),
             structured=self.structured_output(),
         )
@@ -238,10 +257,17 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     modalities: list[str] | None = None  # the output kinds: only text is served
+    # vLLM's (and transformers') ways of shaping the prompt from the messages: gateway/tokenizer.py
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         """Roles known, tools consistent; fields this server does not serve refused by name."""
         check_messages(self.messages)
+        self.chat_options()
+        self.truncation()
         for name in UNSUPPORTED_CHAT_FIELDS:
             if getattr(self, name) is not None:
                 raise InvalidRequestError(name, "is deprecated and not served: send tools and tool_choice")
@@ -253,6 +279,15 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     def tool_spec(self) -> ToolSpec | None:
         return tools.tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def chat_options(self) -> ChatOptions:
+        return chat_options(
+            self.messages,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            add_special_tokens=self.add_special_tokens,
+            template_kwargs=self.chat_template_kwargs,
+        )
 
     def structured_output(self) -> StructuredOutput | None:
         from_format = None if self.response_format is None else self.response_format.to_structured()
@@ -277,6 +312,48 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         return self.sampling(max_tokens=limit, logprobs=num_logprobs, room=room)
 
 
+def chat_options(
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    add_special_tokens: bool,
+    template_kwargs: dict[str, Any] | None,
+) -> ChatOptions:
+    """How the messages become the prompt (the chat endpoint's and ``/tokenize``'s fields).
+    ``continue_final_message`` leaves the last message open for the model to go on with (a prefilled
+    answer): not with ``add_generation_prompt``, which opens a new turn (a 400, as in vLLM), and only
+    after some text to continue. ``chat_template_kwargs`` may set those two, as vLLM lets them (agent
+    frameworks send ``{"add_generation_prompt": true, "enable_thinking": false}``), not the messages
+    or tools."""
+    kwargs = dict(template_kwargs or {})
+    flags = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+    for name in sorted(flags.keys() & kwargs.keys()):
+        value = kwargs.pop(name)
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"chat_template_kwargs.{name}", f"must be a boolean, got {value!r}")
+        flags[name] = value
+    for name in sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys()):
+        raise InvalidRequestError(
+            f"chat_template_kwargs.{name}", "is set by the server: send it as the request's own field"
+        )
+    if flags["continue_final_message"] and flags["add_generation_prompt"]:
+        raise InvalidRequestError(
+            "continue_final_message",
+            "cannot be true with add_generation_prompt (true by default): send add_generation_prompt: false",
+        )
+    if flags["continue_final_message"] and not messages[-1].text().strip():
+        raise InvalidRequestError(
+            f"messages[{len(messages) - 1}].content", "continue_final_message needs text to continue"
+        )
+    return ChatOptions(
+        add_generation_prompt=flags["add_generation_prompt"],
+        continue_final_message=flags["continue_final_message"],
+        add_special_tokens=add_special_tokens,
+        template_kwargs=kwargs,
+    )
+
+
 class CompletionRequest(_Sampling, kw_only=True):
     # One prompt (text or token ids) or a batch of them; msgspec allows one array type per union, so a
     # batch decodes loosely here and ``prompts()`` checks that it is all of one kind.
@@ -286,6 +363,9 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: the tokenizer's special tokens (a BOS) before a text prompt; default: as the tokenizer
+    # encodes text by default (Hugging Face's: its post-processor's; SmolLM2's adds none)
+    add_special_tokens: bool | None = None
 
     def check_supported(self) -> None:
         """The legacy fields this server does not serve refused by name where they would change the
@@ -297,6 +377,7 @@ class CompletionRequest(_Sampling, kw_only=True):
                 "best_of", f"only best_of equal to n ({self.n}) is served, got {self.best_of}"
             )
         self.check_no_op_fields()
+        self.truncation()
 
     def prompts(self, max_prompts: int) -> list[str | list[int]]:
         """The prompts to complete: text or token ids each, at least one, at most ``max_prompts``."""

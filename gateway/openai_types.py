@@ -74,11 +74,18 @@ class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_calls: list[ToolCall] | None = None
 
 
+# vLLM's ``return_token_ids``: each choice's ``token_ids`` (a stream's: each chunk's own), and the
+# prompt's ``prompt_token_ids`` (a chat's on the answer, a stream's on its first chunk; a completion's
+# on each choice, a stream's on the choice's first chunk); left out where not asked for.
+TokenIds = list[int] | UnsetType
+
+
 class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
+    token_ids: TokenIds = UNSET
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -90,6 +97,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     usage: UsageInfo
     service_tier: str | None = None  # OpenAI's name of the tier it ran at (ServerConfig.service_tier_name)
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, where asked for (else left out)
+    prompt_token_ids: TokenIds = UNSET
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -103,6 +111,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    token_ids: TokenIds = UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -113,6 +122,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     service_tier: str | None = None
+    prompt_token_ids: TokenIds = UNSET
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -121,6 +131,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, where asked for (else left out)
+    prompt_token_ids: TokenIds = UNSET
+    token_ids: TokenIds = UNSET
 
 
 class Completion(msgspec.Struct, kw_only=True):

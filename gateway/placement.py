@@ -27,13 +27,24 @@ async def place_prompts(
     proposed = gateway.place(model, tier, seats=seats)
     primary_builder = gateway.builder(model)
     if not proposed.is_degraded:
-        return proposed, await prompts.tokenize(primary_builder)
+        return proposed, _kept(gateway, prompts, model, await prompts.tokenize(primary_builder))
     primary = Placement(model, model)
     builder = gateway.builder(proposed.model)
     is_same_tokenizer = builder is primary_builder
     if prompts.has_token_ids and not is_same_tokenizer:
-        return primary, await prompts.tokenize(primary_builder)
-    prompt_ids = await prompts.tokenize(builder)
+        return primary, _kept(gateway, prompts, model, await prompts.tokenize(primary_builder))
+    tokens = await prompts.tokenize(builder)
+    prompt_ids = _kept(gateway, prompts, proposed.model, tokens)
     if gateway.fits(proposed.model, max(len(p) for p in prompt_ids)):
         return proposed, prompt_ids
-    return primary, prompt_ids if is_same_tokenizer else await prompts.tokenize(primary_builder)
+    if not is_same_tokenizer:
+        tokens = await prompts.tokenize(primary_builder)
+    return primary, _kept(gateway, prompts, model, tokens)
+
+
+def _kept(gateway: Gateway, prompts: Prompts, model: str, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """The prompts as ``model`` runs them: truncated where the request asks (vLLM's
+    ``truncate_prompt_tokens``; -1 against the longest context of the model's workers)."""
+    if prompts.keep_last is None:
+        return prompt_ids
+    return prompts.truncated(prompt_ids, gateway.longest_context(model))

@@ -85,6 +85,14 @@ class Gateway:
             texts = self._token_texts[model] = TokenTexts(self.builder(model).token_bytes)
         return texts
 
+    def longest_context(self, model: str) -> int:
+        """The longest context of ``model``'s registered workers (503 while none has registered)."""
+        known = [w.register.max_model_len for w in self.dispatcher.registry if w.model == model]
+        if not known:
+            why = f"no worker of model {model!r} has registered yet"
+            raise APIError(503, why, code="no_worker_available")
+        return max(known)
+
     def ready_workers(self, model: str) -> list[int]:
         """``max_num_seqs`` of each ready worker of ``model``."""
         return [

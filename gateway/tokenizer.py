@@ -2,8 +2,10 @@
 
 For a Hugging Face folder this reproduces ``transformers``' ``apply_chat_template(..., tokenize=True)``
 from its parts: the template is rendered in jinja2's immutable sandbox with the special tokens of
-``tokenizer_config.json`` and ``add_generation_prompt=True``, and the text is encoded by the
-``tokenizers`` library with ``add_special_tokens=False`` (the template already wrote them). For the
+``tokenizer_config.json``, ``add_generation_prompt`` and the request's template variables, and the text
+is encoded by the ``tokenizers`` library with ``add_special_tokens=False`` (the template already wrote
+them) unless the request asks for them. With ``continue_final_message`` the text ends where the last
+message's content does, as transformers cuts it: the model goes on with that message. For the
 ``mock`` model it is the shared byte tokenizer.
 
 Tokenizing a long prompt takes milliseconds of CPU: the ``*_async`` methods run it in a thread so the
@@ -17,6 +19,7 @@ import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,7 +29,9 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.tools import CallFormat, call_format
-from wire.byte_tokenizer import BYTE_OFFSET, VOCAB_SIZE, ByteTokenizer, token_name
+from wire.byte_tokenizer import BOS_ID, BYTE_OFFSET, VOCAB_SIZE, ByteTokenizer, token_name
+from wire.errors import InvalidRequestError
+from wire.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 
 # {"role": ..., "content": ...}, content already flattened to text; with a template that takes tools,
 # also an assistant's "tool_calls" and a tool message's "tool_call_id" (Hugging Face's conventions).
@@ -43,14 +48,34 @@ _SPECIAL_TOKEN_KEYS = (
 )
 
 
+# Variables the server gives a chat template from the request's own fields: its ``chat_template_kwargs``
+# cannot set them (``add_generation_prompt`` they may: ``ChatOptions`` carries it).
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How a chat's messages become its prompt (the names are transformers' and vLLM's)."""
+
+    add_generation_prompt: bool = True  # the template opens the assistant's turn after the messages
+    continue_final_message: bool = False  # the prompt ends inside the last message: the model goes on
+    add_special_tokens: bool = False  # the tokenizer's own special tokens (a BOS) on top of the template's
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # more variables for the template
+
+
+DEFAULT_CHAT = ChatOptions()
+
+
 class PromptBuilder(Protocol):
     def chat_ids(
         self,
         messages: Sequence[Message],
-        add_generation_prompt: bool = True,
+        options: ChatOptions = DEFAULT_CHAT,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """``tools``: only for a builder whose template takes them (``supports_tools``)."""
+        """``tools``: only for a builder whose template takes them (``supports_tools``). A template
+        that refuses the messages, or a final message to continue that its text does not hold, is a
+        :class:`TemplateError`."""
         ...
 
     @property
@@ -64,7 +89,10 @@ class PromptBuilder(Protocol):
         takes no tools: then the default tool prompt does the teaching)."""
         ...
 
-    def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def text_ids(self, text: str, add_special_tokens: bool | None = False) -> list[int]:
+        """``add_special_tokens`` None: as the tokenizer encodes text by default (a Hugging Face
+        tokenizer adds its post-processor's special tokens, a BOS for Llama 3; SmolLM2's adds none)."""
+        ...
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids``, special tokens included (``/detokenize``)."""
@@ -87,15 +115,19 @@ class BytePromptBuilder:
     def chat_ids(
         self,
         messages: Sequence[Message],
-        add_generation_prompt: bool = True,
+        options: ChatOptions = DEFAULT_CHAT,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
+        """The mock's template reads no variables (``options.template_kwargs`` change nothing, as they
+        change nothing for a Hugging Face template that does not read them)."""
         assert tools is None, "the byte tokenizer's template has no tools"
         ids = self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            messages,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
         )
         assert isinstance(ids, list)
-        return ids
+        return [BOS_ID, *ids] if options.add_special_tokens else ids
 
     @property
     def supports_tools(self) -> bool:
@@ -105,9 +137,9 @@ class BytePromptBuilder:
     def call_format(self) -> CallFormat:
         return "hermes"
 
-    def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def text_ids(self, text: str, add_special_tokens: bool | None = False) -> list[int]:
         # As Engine.add_request encodes a string prompt: no special tokens added (by default).
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self._tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
@@ -148,24 +180,30 @@ class HFPromptBuilder:
     def render(
         self,
         messages: Sequence[Message],
-        add_generation_prompt: bool = True,
+        options: ChatOptions = DEFAULT_CHAT,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
+        """The template's text; the request's variables may set the special tokens' (as transformers
+        lets its keyword arguments), not the ones the server sets."""
+        assert not RESERVED_TEMPLATE_VARIABLES & options.template_kwargs.keys()
         extra = {} if tools is None else {"tools": [dict(t) for t in tools]}
-        return self._template.render(
+        text = self._template.render(
             messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=options.add_generation_prompt,
             **extra,
-            **self._special_tokens,
+            **{**self._special_tokens, **options.template_kwargs},
         )
+        if options.continue_final_message:
+            return _ending_in(text, str(messages[-1]["content"]))
+        return text
 
     def chat_ids(
         self,
         messages: Sequence[Message],
-        add_generation_prompt: bool = True,
+        options: ChatOptions = DEFAULT_CHAT,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        return self.text_ids(self.render(messages, add_generation_prompt, tools))
+        return self.text_ids(self.render(messages, options, tools), options.add_special_tokens)
 
     @property
     def supports_tools(self) -> bool:
@@ -175,8 +213,9 @@ class HFPromptBuilder:
     def call_format(self) -> CallFormat:
         return self._call_format
 
-    def text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+    def text_ids(self, text: str, add_special_tokens: bool | None = False) -> list[int]:
+        adds = True if add_special_tokens is None else add_special_tokens  # the library's default
+        return list(self._tokenizer.encode(text, add_special_tokens=adds).ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
@@ -201,6 +240,20 @@ class HFPromptBuilder:
         return frozenset(self._tokenizer.get_added_tokens_decoder())
 
 
+def _ending_in(text: str, final: str) -> str:
+    """``text`` cut just after the last message's content, as transformers' ``continue_final_message``
+    cuts it: at its last occurrence, keeping the content's leading text as the template wrote it and
+    its trailing whitespace only where the template kept it."""
+    core = final.strip()
+    if not core or core not in text:
+        raise TemplateError(
+            "continue_final_message: the template's text does not hold the last message's content to continue"
+        )
+    start = text.rindex(core)
+    kept = final.lstrip()
+    return text[: start + (len(kept) if text[start : start + len(kept)] == kept else len(core))]
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte → printable character map, which byte-level BPE vocabularies use."""
     printable = [
@@ -221,12 +274,33 @@ _BYTE_OF_CHAR = {ch: b for b, ch in _bytes_to_unicode().items()}
 _BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
+def bad_word_ids(builder: PromptBuilder, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as token sequences, as vLLM tokenizes them: each word as it would begin
+    the text and, where a leading space makes it other tokens of the same count, as it would follow a
+    space, so that it is barred at the start and in the middle of the text alike."""
+    if len(words) > MAX_BAD_WORDS // 2:
+        raise InvalidRequestError("bad_words", f"at most {MAX_BAD_WORDS // 2} words, got {len(words)}")
+    out: list[tuple[int, ...]] = []
+    for i, word in enumerate(words):
+        bare = tuple(builder.text_ids(word.lstrip()))
+        if not bare or len(bare) > MAX_BAD_WORD_TOKENS:
+            why = "is empty" if not bare else f"has {len(bare)} tokens, more than {MAX_BAD_WORD_TOKENS}"
+            raise InvalidRequestError(f"bad_words[{i}]", why)
+        out.append(bare)
+        spaced = tuple(builder.text_ids(" " + word.lstrip()))
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(out)
+
+
 async def chat_ids_async(builder: PromptBuilder, messages: Sequence[Message]) -> list[int]:
     return await asyncio.to_thread(builder.chat_ids, messages)
 
 
-async def text_ids_async(builder: PromptBuilder, text: str) -> list[int]:
-    return await asyncio.to_thread(builder.text_ids, text)
+async def text_ids_async(
+    builder: PromptBuilder, text: str, add_special_tokens: bool | None = False
+) -> list[int]:
+    return await asyncio.to_thread(builder.text_ids, text, add_special_tokens)
 
 
 def _token_text(value: object) -> str:

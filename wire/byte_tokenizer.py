@@ -74,12 +74,16 @@ class ByteTokenizer:
         messages: Iterable[Mapping[str, str]],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int] | str:
-        """``<|begin|>``, ``<|header|>{role}\\n{content}<|end|>`` per message, then an open assistant turn."""
+        """``<|begin|>``, ``<|header|>{role}\\n{content}<|end|>`` per message, then an open assistant turn;
+        with ``continue_final_message`` the last message is left open instead (no ``<|end|>``)."""
         ids = [BOS_ID]
         for message in messages:
             ids += [HEADER_ID, *self.encode(f"{message['role']}\n{message['content']}"), EOS_ID]
-        if add_generation_prompt:
+        if continue_final_message:
+            ids.pop()
+        elif add_generation_prompt:
             ids += [HEADER_ID, *self.encode("assistant\n")]
         return ids if tokenize else self.decode(ids)
 

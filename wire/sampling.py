@@ -13,6 +13,9 @@ from wire.structured import StructuredOutput
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI's API takes a few hundred)
+MAX_ALLOWED_TOKENS = 1 << 18  # vLLM's allowed_token_ids: more than any vocabulary served here
+MAX_BAD_WORDS = 256  # token sequences (a word is one or two: with and without a leading space)
+MAX_BAD_WORD_TOKENS = 64
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, as OpenAI's API allows
 
 
@@ -46,11 +49,21 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # this many tokens are out
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # vLLM's: the stop string that ended the text (or a stop token's text) kept at its end
+    include_stop_str_in_output: bool = False
     # capped in the Struct too: a hostile Submit cannot make the decoder allocate more
     logit_bias: Annotated[tuple[tuple[int, float], ...], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = ()
     # What the answer must match (a JSON schema, regex, choice or grammar: wire/structured.py); the
     # worker masks every next token to what the grammar allows.
     structured: StructuredOutput | None = None
+    # vLLM's: only these tokens may be sampled (None: any)
+    allowed_token_ids: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_ALLOWED_TOKENS)] | None = None
+    # vLLM's ``bad_words`` as the gateway tokenized them: a sequence's last token cannot be sampled
+    # where the output so far ends with the rest of it (a one-token sequence: never)
+    bad_words: Annotated[
+        tuple[Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_BAD_WORD_TOKENS)], ...],
+        msgspec.Meta(max_length=MAX_BAD_WORDS),
+    ] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -104,8 +117,15 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         )
         _require(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
         _require(all(self.stop), "stop", "stop strings must not be empty")
-        bad_ids = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        _require(not bad_ids, "stop_token_ids", f"ids outside the vocabulary of {vocab_size}: {bad_ids[:5]}")
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("bad_words", [t for word in self.bad_words for t in word]),
+        ):
+            bad_ids = [t for t in ids if not 0 <= t < vocab_size]
+            _require(not bad_ids, name, f"ids outside the vocabulary of {vocab_size}: {bad_ids[:5]}")
+        _require(self.allowed_token_ids != (), "allowed_token_ids", "must not be empty")
+        _require(all(self.bad_words), "bad_words", "a word must have at least one token")
         _require(
             self.seed is None or 0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}"
         )

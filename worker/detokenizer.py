@@ -6,7 +6,8 @@ Two hold-backs stand between the decoded text and the client:
    BPE piece ending mid-character) decodes to a trailing U+FFFD until its last byte arrives, so text
    ending in U+FFFD is not released yet.
 2. Stop strings. Text that could still become the start of a stop string is kept until the next tokens
-   rule it out; on a match the output ends right before the stop string.
+   rule it out; on a match the output ends right before the stop string (or right after it, with
+   ``include_stop``: vLLM's ``include_stop_str_in_output``).
 
 Decoding is windowed, as in vLLM and TGI: only ``ids[prefix_offset:]`` is decoded each step, and the new
 text is what that window yields beyond ``ids[prefix_offset:read_offset]`` (already sent). The window
@@ -52,10 +53,12 @@ class IncrementalDetokenizer:
         *,
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         assert all(stop), "stop strings must not be empty"
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self._skip_special_tokens = skip_special_tokens
         self._token_ids: list[int] = []
         self._prefix_offset = 0
@@ -114,7 +117,7 @@ class IncrementalDetokenizer:
             start, stop = match
             self._stop_matched = stop
             self._held = ""
-            return self._emit(pending[:start], stop)
+            return self._emit(pending[: start + len(stop) if self._include_stop else start], stop)
         keep = 0 if is_final else _longest_stop_prefix_suffix(pending, self._stop)
         self._held = pending[len(pending) - keep :] if keep else ""
         return self._emit(pending[: len(pending) - keep], None)

@@ -28,6 +28,10 @@ class TokenEffect:
     error: str | None = None
 
 
+def _ends_with(tokens: list[int], prefix: tuple[int, ...]) -> bool:
+    return not prefix or (len(tokens) >= len(prefix) and tuple(tokens[-len(prefix) :]) == prefix)
+
+
 @dataclass(slots=True)
 class RequestState:
     request: Request
@@ -55,6 +59,7 @@ class RequestState:
             request.prompt_token_ids[: request.outputs_from],
             stop=params.stop if params.min_tokens == 0 else (),
             skip_special_tokens=params.skip_special_tokens,
+            include_stop=params.include_stop_str_in_output,
         )
         state = cls(request, detokenizer, generator, owner)
         for count, token_id in enumerate(request.resumed_token_ids, start=1):
@@ -70,12 +75,20 @@ class RequestState:
     @property
     def banned(self) -> tuple[int, ...]:
         """The tokens it may not sample next: EOS and its stop token ids while fewer than
-        ``min_tokens`` are out."""
+        ``min_tokens`` are out; a bad word's last token where the output so far (a failover's resumed
+        tokens included) ends with the rest of it, as vLLM reads its ``bad_words``."""
         request = self.request
         params = request.sampling_params
-        if self.num_out >= params.min_tokens:
-            return ()
-        return tuple(sorted(request.eos_token_ids | set(params.stop_token_ids)))
+        banned: set[int] = set()
+        if self.num_out < params.min_tokens:
+            banned |= request.eos_token_ids | set(params.stop_token_ids)
+        if params.bad_words:
+            longest = max(len(word) for word in params.bad_words) - 1
+            tail = request.output_token_ids[-longest:] if longest else []
+            if len(tail) < longest and request.num_resumed:
+                tail = (request.resumed_token_ids + request.output_token_ids)[-longest:]
+            banned.update(word[-1] for word in params.bad_words if _ends_with(tail, word[:-1]))
+        return tuple(sorted(banned))
 
     def _arm_stops(self, num_out: int) -> None:
         """The stop strings are matched once ``min_tokens`` tokens are out (the last of them included)."""
@@ -93,8 +106,9 @@ class RequestState:
         return first_position + skip, fresh
 
     def take(self, token_id: int, max_model_len: int) -> TokenEffect:
-        """Append a sampled token and apply the stop rules: an EOS or stop token (counted, never shown),
-        a stop string, a grammar that allows nothing more, ``max_tokens``, the context limit."""
+        """Append a sampled token and apply the stop rules: an EOS or stop token (counted; its text shown
+        only with ``include_stop_str_in_output``, as vLLM does), a stop string, a grammar that allows
+        nothing more, ``max_tokens``, the context limit."""
         request = self.request
         params = request.sampling_params
         request.append_output_token(token_id)
@@ -102,7 +116,8 @@ class RequestState:
         if self.matcher is not None and not self.matcher.accept(token_id):
             return TokenEffect("", FinishReason.ERROR, f"structured output: {self.matcher.error}")
         if token_id in request.eos_token_ids or token_id in params.stop_token_ids:
-            return TokenEffect(self.detokenizer.flush(), FinishReason.STOP)
+            shown = self.detokenizer.update([token_id]).text if params.include_stop_str_in_output else ""
+            return TokenEffect(shown + self.detokenizer.flush(), FinishReason.STOP)
         delta = self.detokenizer.update([token_id])
         if delta.stop_matched is not None:
             return TokenEffect(delta.text, FinishReason.STOP)

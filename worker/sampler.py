@@ -2,10 +2,11 @@
 
 One call takes the step's logits ``[N, V]`` (float32) and one :class:`SamplingRow` per row. The order is
 
-    logits ─▶ logit_bias ─▶ banned ─▶ grammar mask ─▶ penalties ─┬─▶ log_softmax ─▶ logprobs (all included)
-                                                                 ├─▶ argmax ─▶ greedy rows
-                                                                 └─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p
-                                                                     ─▶ exponential race ─▶ sampled rows
+    logits ─▶ logit_bias ─▶ allowed_token_ids ─▶ banned ─▶ grammar mask ─▶ penalties ─┐
+      ┌──────────────────────────────────────────────────────────────────────────────┘
+      ├─▶ log_softmax ─▶ logprobs (all included)
+      ├─▶ argmax ─▶ greedy rows
+      └─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race ─▶ sampled rows
 
 Sampling uses the exponential race: ``argmax(probs / e)`` with ``e ~ Exp(1)`` i.i.d. picks token ``i``
 with probability ``probs[i]``. A row's noise is a hash of a key it draws each step (from its own
@@ -43,7 +44,8 @@ class SamplingRow:
     # A structured output's next-token mask (worker/structured.py): int32 words, bit ``t % 32`` of
     # word ``t // 32`` set when token ``t`` is allowed; None: every token is.
     allowed: torch.Tensor | None = None
-    # Tokens it may not pick this step (EOS and the stop token ids before ``min_tokens``)
+    # Tokens it may not pick this step (EOS and the stop token ids before ``min_tokens``; a bad word's
+    # last token where the output ends with the rest of it: RequestState.banned)
     banned: Sequence[int] = ()
 
 
@@ -75,7 +77,8 @@ def _is_greedy(params: SamplingParams) -> bool:
 
 
 def _has_bias(params: SamplingParams) -> bool:
-    return bool(params.logit_bias)
+    """Logits changed before the choice: ``logit_bias`` added, or all but ``allowed_token_ids`` out."""
+    return bool(params.logit_bias) or params.allowed_token_ids is not None
 
 
 def _has_penalties(params: SamplingParams) -> bool:
@@ -101,7 +104,7 @@ class Sampler:
             # The hot path: one kernel, and bit-identical to HF's greedy decoding.
             return SamplerOutput(self.ops.argmax(logits).tolist(), [None] * len(rows))
 
-        for apply in (apply_logit_bias, apply_banned, apply_allowed, apply_penalties):
+        for apply in (apply_logit_bias, apply_allowed_ids, apply_banned, apply_allowed, apply_penalties):
             logits = apply(logits, rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
@@ -120,6 +123,20 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     """Return ``logits`` with each row's ``logit_bias`` added (one scatter); the input is left untouched."""
     biased = [(i, token_id, value) for i, row in enumerate(rows) for token_id, value in row.params.logit_bias]
     return _scatter(logits, biased, accumulate=True)
+
+
+def apply_allowed_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Return ``logits`` with every token outside a row's ``allowed_token_ids`` at -inf (vLLM's); the
+    input is left untouched."""
+    limited = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if not limited:
+        return logits
+    out = logits.clone()
+    for i in limited:
+        ids = torch.tensor(rows[i].params.allowed_token_ids, dtype=torch.long, device=logits.device)
+        kept = out[i].index_select(0, ids)
+        out[i].fill_(float("-inf")).index_copy_(0, ids, kept)
+    return out
 
 
 def apply_banned(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

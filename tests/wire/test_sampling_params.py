@@ -27,6 +27,10 @@ def check(params: SamplingParams, prompt: int = 10) -> None:
         ({"logprobs": 21}, "logprobs"),
         ({"stop": ("",)}, "stop"),
         ({"stop_token_ids": (100,)}, "stop_token_ids"),
+        ({"allowed_token_ids": ()}, "allowed_token_ids"),
+        ({"allowed_token_ids": (3, 100)}, "allowed_token_ids"),
+        ({"bad_words": ((5, 100),)}, "bad_words"),
+        ({"bad_words": ((),)}, "bad_words"),
         ({"seed": -1}, "seed"),
     ],
 )

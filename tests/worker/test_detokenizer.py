@@ -210,8 +210,12 @@ def test_stop_strings_truncate_and_never_leak(
             stops.append(data.draw(st.sampled_from(["xyz", "the", "中文", "😀", "\n\n", "é"])))
     expected_text, expected_stop = reference_stop(full, stops)
 
-    detokenizer = IncrementalDetokenizer(tokenizer, [], stop=stops)
     chunks = chunked(token_ids, sizes)
+    included = IncrementalDetokenizer(tokenizer, [], stop=stops, include_stop=True)
+    output, stop, _ = stream(included, chunks)  # vLLM's include_stop_str_in_output: through the stop
+    assert ("".join(output), stop) == (expected_text + (expected_stop or ""), expected_stop)
+
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stop=stops)
     deltas, stop, stop_chunk = stream(detokenizer, chunks)
     output = "".join(deltas)
     assert (output, stop) == (expected_text, expected_stop)

@@ -64,6 +64,44 @@ def test_a_stop_string_ends_the_request_and_is_not_shown() -> None:
     assert "".join(text for text, _ in effects) == " the quick "
 
 
+def test_include_stop_str_in_output_shows_the_stop_string_and_a_stop_tokens_text() -> None:
+    """vLLM's ``include_stop_str_in_output``: the text ends after the stop string that ended it, and a
+    stop token's text is shown (a special EOS's is nothing while special tokens are skipped)."""
+    s = state(SamplingParams(max_tokens=50, temperature=0.0, stop=["brown"], include_stop_str_in_output=True))
+    effects = feed(s, " the quick brown fox")
+    assert effects[-1][1] is FinishReason.STOP
+    assert "".join(text for text, _ in effects) == " the quick brown"
+    comma = byte_level_tokenizer().encode(",", add_special_tokens=False)[0]
+    for include, shown in ((True, "hi,"), (False, "hi")):
+        params = SamplingParams(
+            max_tokens=50, temperature=0.0, stop_token_ids=(comma,), include_stop_str_in_output=include
+        )
+        s = state(params)
+        effects = feed(s, "hi, there")
+        assert effects[-1][1] is FinishReason.STOP and "".join(text for text, _ in effects) == shown
+    s = state(SamplingParams(max_tokens=50, temperature=0.0, include_stop_str_in_output=True))
+    assert feed(s, "ok")[-1][1] is None  # this tokenizer's EOS stand-in is a plain token: its text shows
+    assert s.take(EOS, 1000).text == byte_level_tokenizer().decode([EOS]) != ""
+
+
+def test_bad_words_ban_a_words_last_token_where_the_output_ends_with_the_rest() -> None:
+    """vLLM's ``bad_words``, as token sequences: a one-token word never, a longer one's last token
+    only after its other tokens, counted over the output (a failover's resumed tokens included), not
+    the prompt."""
+    tokenizer = byte_level_tokenizer()
+    a, b, c = (tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "abc")
+    params = SamplingParams(max_tokens=50, temperature=0.0, bad_words=((c,), (a, b, a)))
+    s = state(params, prompt="ab")  # the prompt ends with "ab": not the output
+    assert s.banned == (c,)
+    s.take(a, 1000)
+    s.take(b, 1000)
+    assert s.banned == tuple(sorted((a, c)))
+    s.take(c, 1000)
+    assert s.banned == (c,)
+    resumed = state(params, seen="ab")  # another worker generated "ab"
+    assert resumed.banned == tuple(sorted((a, c)))
+
+
 def test_a_resumed_request_shows_only_what_the_client_has_not_seen() -> None:
     """The prompt's tail " the" was already streamed: the next tokens' text follows it, as the old
     worker's would have."""

@@ -358,3 +358,23 @@ def test_banned_tokens_are_never_picked_greedy_or_sampled_and_count_in_logprobs(
     assert first is not None and first.logprob == pytest.approx(
         float(second.log_softmax(-1)[out.token_ids[0]])
     )
+
+
+def test_allowed_token_ids_limit_every_row_that_names_them() -> None:
+    """vLLM's ``allowed_token_ids``: greedy picks the best allowed token, a sampled row draws only
+    allowed ones, logprobs are over the allowed tokens; a row without the field is untouched."""
+    logits = random_logits(3, seed=4)
+    best = logits.argmax(dim=-1).tolist()
+    allowed = tuple(t for t in (3, 11, 29, 40) if t != best[0])
+    rows = [
+        row(SamplingParams(temperature=0.0, logprobs=1, allowed_token_ids=allowed)),
+        row(SamplingParams(temperature=1.0, seed=1, allowed_token_ids=allowed)),
+        row(SamplingParams(temperature=0.0)),
+    ]
+    draws = [Sampler()(logits, rows) for _ in range(20)]
+    within = logits[0, list(allowed)]
+    assert draws[0].token_ids[0] == allowed[int(within.argmax())]
+    assert all(d.token_ids[1] in allowed for d in draws) and draws[0].token_ids[2] == best[2]
+    first = draws[0].logprobs[0]
+    assert first is not None and first.logprob == pytest.approx(float(within.log_softmax(-1).max()))
+    assert {t for t, _ in first.top} <= set(allowed)
