@@ -258,6 +258,7 @@ class _Run:
                 finish_reason=finish_reason(p.last),
                 prompt_logprobs=p.prompt_logprobs,
                 token_ids=p.token_ids,
+                stop_reason=None if p.last is None else p.last.stop_reason,
             )
             for choice, p in zip(self.job.choices, self.progress, strict=True)
         ]

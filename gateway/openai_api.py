@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from gateway.logprobs import (
     ChatLogprobs,
@@ -38,6 +38,7 @@ from gateway.openai_types import (
     CompletionChoice,
     FinishReason,
     FunctionCall,
+    StopReason,
     TokenIds,
     ToolCall,
     ToolCallDelta,
@@ -72,6 +73,7 @@ class ChoiceResult:
     finish_reason: FinishReason | None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # a scored prompt's, positions 1 on
     token_ids: list[int] = field(default_factory=list)
+    stop_reason: StopReason = None  # vLLM's: the stop string or stop token id that ended it
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,9 +256,10 @@ class ChatRenderer(DataEvents):
             out.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas))], usage))
         if delta.finish_reason is not None:
             reason = with_calls(finish_reason(delta), [] if parser is None else parser.calls)
-            out.append(
-                self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)], usage)
+            last = ChatChunkChoice(
+                index=index, delta=ChatDelta(), finish_reason=reason, stop_reason=delta.stop_reason
             )
+            out.append(self._chunk([last], usage))
         return out
 
     def usage_chunk(self, usage: UsageInfo) -> object:
@@ -286,6 +289,7 @@ class ChatRenderer(DataEvents):
             message=AssistantMessage(role="assistant", content=content, tool_calls=tool_calls or None),
             logprobs=self._logprobs(c.logprobs),
             finish_reason=with_calls(c.finish_reason, calls),
+            stop_reason=c.stop_reason,
             token_ids=self._ids(c.token_ids),
         )
 
@@ -380,10 +384,13 @@ class CompletionRenderer(DataEvents):
         token_ids: Sequence[int],
         *,
         first: bool,
+        stop_reason: StopReason | UnsetType = UNSET,
     ) -> CompletionChoice:
         """One choice's body; with vLLM's ``return_token_ids``, its token ids and, where ``first``,
-        its prompt's."""
-        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)
+        its prompt's; ``stop_reason`` where it finished."""
+        choice = CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason
+        )
         if self.prompt_ids is not None:
             choice.token_ids = list(token_ids)
             if first:
@@ -407,7 +414,9 @@ class CompletionRenderer(DataEvents):
             text, logprobs = delta.text, self._logprobs(index, delta.logprobs)
         first = index not in self._opened
         self._opened.add(index)
-        choice = self._choice(index, text, logprobs, finish_reason(delta), delta.token_ids, first=first)
+        reason = finish_reason(delta)
+        stop = UNSET if reason is None else delta.stop_reason
+        choice = self._choice(index, text, logprobs, reason, delta.token_ids, first=first, stop_reason=stop)
         return [self._body([choice], usage)]
 
     def usage_chunk(self, usage: UsageInfo) -> object:
@@ -417,7 +426,9 @@ class CompletionRenderer(DataEvents):
         out = []
         for c in choices:
             text, logprobs = self._echoed(c.index, c.text, c.logprobs, c.prompt_logprobs)
-            choice = self._choice(c.index, text, logprobs, c.finish_reason, c.token_ids, first=True)
+            choice = self._choice(
+                c.index, text, logprobs, c.finish_reason, c.token_ids, first=True, stop_reason=c.stop_reason
+            )
             if self.scoring is not None:
                 choice.prompt_logprobs = self.scoring.render(c.prompt_logprobs)
             out.append(choice)

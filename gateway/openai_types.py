@@ -78,6 +78,9 @@ class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 # prompt's ``prompt_token_ids`` (a chat's on the answer, a stream's on its first chunk; a completion's
 # on each choice, a stream's on the choice's first chunk); left out where not asked for.
 TokenIds = list[int] | UnsetType
+# vLLM's ``stop_reason``: the stop string or stop token id that ended a choice (null for an EOS or a
+# length); on every choice of a whole answer, on a stream's finishing chunk.
+StopReason = str | int | None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -85,6 +88,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
     token_ids: TokenIds = UNSET
 
 
@@ -111,6 +115,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason | UnsetType = UNSET
     token_ids: TokenIds = UNSET
 
 
@@ -130,6 +135,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason | UnsetType = UNSET
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, where asked for (else left out)
     prompt_token_ids: TokenIds = UNSET
     token_ids: TokenIds = UNSET

@@ -123,6 +123,7 @@ class TokenDelta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     prompt_logprobs: Annotated[list[TokenLogprob], msgspec.Meta(max_length=MAX_DELTA_TOKENS)] | None = None
     prompt_position: int = 0
     finish_reason: FinishReason | None = None
+    stop_reason: Text | int | None = None  # vLLM's: the stop string or stop token id that ended it
     error: Text | None = None  # set with finish_reason "error": our fault, logged, 500 for this request
     usage: Usage
 

@@ -36,6 +36,7 @@ def token_delta(output: RequestOutput, epoch: int) -> TokenDelta:
         prompt_logprobs=_wire_logprobs(output.prompt_logprobs),
         prompt_position=output.prompt_position,
         finish_reason=output.finish_reason.value if output.finish_reason is not None else None,
+        stop_reason=output.stop_reason,
         error=output.error[:MAX_MESSAGE_CHARS] if output.error is not None else None,
         usage=Usage(
             prompt_tokens=output.num_prompt_tokens,

@@ -331,6 +331,7 @@ class Engine:
             effect.reason,
             [logprobs] if logprobs is not None else [],
             scored=scored,
+            stop_reason=effect.stop_reason,
         )
         if effect.reason is not None:
             self.scheduler.finish(request.request_id, effect.reason)
@@ -410,6 +411,7 @@ def _output(
     logprobs: list[TokenLogprobs] | None = None,
     error: str | None = None,
     scored: Scored | None = None,
+    stop_reason: str | int | None = None,
 ) -> RequestOutput:
     """One step's output for ``request``, its usage as the client counts it: a failover's resumed
     tokens are output the client already had, not prompt. ``scored``: its prompt's logprobs of this
@@ -429,6 +431,7 @@ def _output(
         owner,
         prompt_logprobs,
         position,
+        stop_reason,
     )
 
 

@@ -27,6 +27,7 @@ class RequestOutput:
     # A scored prompt's logprobs computed this step: those of its tokens from ``prompt_position`` on
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_position: int = 0
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
     @property
     def is_finished(self) -> bool:

@@ -21,11 +21,13 @@ from worker.structured import Matcher
 @dataclass(slots=True, frozen=True)
 class TokenEffect:
     """What one sampled token did: the text it shows, why it ended the request (None: it goes on), or
-    an error (the request ends, the token unshown)."""
+    an error (the request ends, the token unshown). ``stop_reason``: vLLM's, the stop string or stop
+    token id that ended it (None for an EOS, a grammar's end, a length)."""
 
     text: str
     reason: FinishReason | None
     error: str | None = None
+    stop_reason: str | int | None = None
 
 
 def _ends_with(tokens: list[int], prefix: tuple[int, ...]) -> bool:
@@ -117,10 +119,11 @@ class RequestState:
             return TokenEffect("", FinishReason.ERROR, f"structured output: {self.matcher.error}")
         if token_id in request.eos_token_ids or token_id in params.stop_token_ids:
             shown = self.detokenizer.update([token_id]).text if params.include_stop_str_in_output else ""
-            return TokenEffect(shown + self.detokenizer.flush(), FinishReason.STOP)
+            stop_id = None if token_id in request.eos_token_ids else token_id
+            return TokenEffect(shown + self.detokenizer.flush(), FinishReason.STOP, stop_reason=stop_id)
         delta = self.detokenizer.update([token_id])
         if delta.stop_matched is not None:
-            return TokenEffect(delta.text, FinishReason.STOP)
+            return TokenEffect(delta.text, FinishReason.STOP, stop_reason=delta.stop_matched)
         if self.matcher is not None and self.matcher.is_done:
             # the grammar allows nothing more: the answer is whole
             return TokenEffect(delta.text + self.detokenizer.flush(), FinishReason.STOP)

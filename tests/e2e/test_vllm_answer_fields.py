@@ -192,3 +192,36 @@ def test_allowed_token_ids_and_bad_words_hold_the_answer(client: openai.OpenAI) 
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="mock", prompt=prompt, max_tokens=4, extra_body=body)
         assert info.value.body["param"] == param  # type: ignore[index]
+
+
+def test_stop_reason_names_what_ended_each_choice(base_url: str) -> None:
+    """vLLM's ``stop_reason``: the stop string (or stop token id) that ended a choice, null for a
+    length; on every choice of a whole answer, on a stream's finishing chunk only."""
+    prompt = "The weather today"
+    ids = TOKENIZER.encode(prompt)
+    full = expected_text(ids, 40)
+    stop = full[10:13]
+    whole = _post(base_url, "/v1/completions", {"prompt": prompt, "max_tokens": 40, "stop": [stop]})
+    assert whole["choices"][0]["finish_reason"] == "stop" and whole["choices"][0]["stop_reason"] == stop
+    cut = _post(base_url, "/v1/completions", {"prompt": prompt, "max_tokens": 3})
+    assert cut["choices"][0]["finish_reason"] == "length" and cut["choices"][0]["stop_reason"] is None
+    token = MODEL.transcript(ids, 40)[5]
+    by_id = _post(
+        base_url, "/v1/completions", {"prompt": prompt, "max_tokens": 40, "stop_token_ids": [token]}
+    )
+    assert by_id["choices"][0]["stop_reason"] == token
+
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    answer = expected_text(chat_ids("Tell me a story"), 40)
+    chat_stop = answer[4:6]
+    chat = _post(
+        base_url, "/v1/chat/completions", {"messages": messages, "max_tokens": 40, "stop": [chat_stop]}
+    )
+    assert chat["choices"][0]["stop_reason"] == chat_stop
+    for path, body, expected in (
+        ("/v1/chat/completions", {"messages": messages, "max_tokens": 40, "stop": [chat_stop]}, chat_stop),
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 40, "stop": [stop]}, stop),
+    ):
+        choices = [c for e in _events(base_url, path, body) for c in e["choices"]]
+        assert [c["stop_reason"] for c in choices if "stop_reason" in c] == [expected]
+        assert choices[-1]["finish_reason"] == "stop" and choices[-1]["stop_reason"] == expected

@@ -386,6 +386,7 @@ def test_echo_puts_the_scored_prompt_before_the_answer_streamed_and_whole() -> N
         "text": "hellohe",
         "logprobs": None,
         "finish_reason": "length",
+        "stop_reason": None,  # vLLM's: no stop string or stop token ended it
     }
 
 

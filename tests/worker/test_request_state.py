@@ -102,6 +102,21 @@ def test_bad_words_ban_a_words_last_token_where_the_output_ends_with_the_rest() 
     assert resumed.banned == tuple(sorted((a, c)))
 
 
+def test_stop_reason_names_the_stop_string_or_stop_token_not_an_eos() -> None:
+    """vLLM's ``stop_reason``: the stop string matched, the stop token id sampled; None for an EOS or a
+    length."""
+    s = state(SamplingParams(max_tokens=50, temperature=0.0, stop=["brown", "fox"]))
+    assert [s.take(t, 1000).stop_reason for t in byte_level_tokenizer().encode(" the brown")][-1] == "brown"
+    comma = byte_level_tokenizer().encode(",", add_special_tokens=False)[0]
+    s = state(SamplingParams(max_tokens=50, temperature=0.0, stop_token_ids=(comma, EOS)))
+    assert s.take(comma, 1000).stop_reason == comma
+    s = state(SamplingParams(max_tokens=50, temperature=0.0, stop_token_ids=(EOS,)))
+    effect = s.take(EOS, 1000)  # an EOS, even one listed as a stop token id
+    assert effect.reason is FinishReason.STOP and effect.stop_reason is None
+    s = state(SamplingParams(max_tokens=1, temperature=0.0))
+    assert s.take(comma, 1000).stop_reason is None
+
+
 def test_a_resumed_request_shows_only_what_the_client_has_not_seen() -> None:
     """The prompt's tail " the" was already streamed: the next tokens' text follows it, as the old
     worker's would have."""
