@@ -17,6 +17,7 @@ Everything a client can get wrong is a 4xx raised as :class:`APIError` before an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -75,15 +76,14 @@ def create_app(gateway: Gateway) -> Starlette:
 
     async def models(request: Request) -> Response:
         identify(gateway.config, request.headers)  # the completion routes' keys
-        cards = [ModelCard(id=name, created=gateway.started_at) for name in gateway.builders]
-        return _json(ModelList(data=cards))
+        return _json(ModelList(data=[_model_card(gateway, name) for name in gateway.builders]))
 
     async def model(request: Request) -> Response:
         """OpenAI's retrieve (``client.models.retrieve``): one served model, else 404."""
         identify(gateway.config, request.headers)
         name = request.path_params["model"]
         gateway.builder(name)  # 404 model_not_found, naming the served ones
-        return _json(ModelCard(id=name, created=gateway.started_at))
+        return _json(_model_card(gateway, name))
 
     async def stored_response(request: Request) -> Response:
         """OpenAI's retrieve, delete, cancel and input_items of a stored response: none is stored here."""
@@ -253,6 +253,13 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
         return await respond(gateway, job, request.receive)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+def _model_card(gateway: Gateway, name: str) -> ModelCard:
+    card = ModelCard(id=name, created=gateway.started_at)
+    with contextlib.suppress(APIError):  # until a worker of it has registered: left out
+        card.max_model_len = gateway.longest_context(name)
+    return card
 
 
 def _token_texts(

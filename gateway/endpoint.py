@@ -121,6 +121,7 @@ CHAT: Endpoint[ChatCompletionRequest] = Endpoint(
         r.service_tier,
         r.scoring,
         None if r.prompt_ids is None else r.prompt_ids[0],
+        body.echoed(),
     ),
     tool_spec=lambda body: body.tool_spec(),
     service_tier=lambda body: body.service_tier,

@@ -184,12 +184,16 @@ class ChatRenderer(DataEvents):
         service_tier: str | None = None,
         scoring: PromptScoring | None = None,
         prompt_ids: Sequence[int] | None = None,
+        echo: str = "",
     ) -> None:
         """``texts``: given when logprobs were asked for; ``tools``: the request's, whose calls are
         parsed out of each choice's text (gateway/tools.py) unless tool_choice is ``none``;
         ``service_tier``: what every chunk and the whole answer say the request ran at; ``scoring``:
         vLLM's ``prompt_logprobs``, on the whole answer (every choice scores the same prompt);
-        ``prompt_ids``: given for vLLM's ``return_token_ids``, with every choice's token ids."""
+        ``prompt_ids``: given for vLLM's ``return_token_ids``, with every choice's token ids;
+        ``echo``: vLLM's, the text each choice's content begins with (a stream's first content chunk:
+        the last message, which the answer continues)."""
+        self.echo = echo
         self.scoring = scoring
         self.prompt_ids = None if prompt_ids is None else list(prompt_ids)
         self.request_id = request_id
@@ -224,7 +228,12 @@ class ChatRenderer(DataEvents):
 
     def opening(self, index: int) -> list[object]:
         role = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
-        return [self._chunk([role], prompt_ids=UNSET if self.prompt_ids is None else self.prompt_ids)]
+        out: list[object] = [
+            self._chunk([role], prompt_ids=UNSET if self.prompt_ids is None else self.prompt_ids)
+        ]
+        if self.echo:
+            out.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=self.echo))]))
+        return out
 
     def chunks(self, index: int, delta: TokenDelta, usage: UsageInfo | None = None) -> list[object]:
         out: list[object] = []
@@ -284,6 +293,8 @@ class ChatRenderer(DataEvents):
         if self.tools is not None:
             content, calls = parse_whole(self.tools, c.text)
         tool_calls = [ToolCall(id=call.id, function=_function(call)) for call in calls]
+        if self.echo:
+            content = self.echo + (content or "")
         return ChatChoice(
             index=c.index,
             message=AssistantMessage(role="assistant", content=content, tool_calls=tool_calls or None),

@@ -262,6 +262,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's: the answer begins with the last message it continues (``echoed``)
 
     def check_supported(self) -> None:
         """Roles known, tools consistent; fields this server does not serve refused by name."""
@@ -279,6 +280,15 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     def tool_spec(self) -> ToolSpec | None:
         return tools.tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def echoed(self) -> str:
+        """vLLM's chat ``echo``: the text the answer repeats before its own, the last message's where
+        the answer continues it (its role is the answer's: ``assistant``, or any role when no new
+        turn is opened); else nothing."""
+        last = self.messages[-1]
+        if not self.echo or (self.chat_options().add_generation_prompt and last.role != "assistant"):
+            return ""
+        return last.text()
 
     def chat_options(self) -> ChatOptions:
         return chat_options(

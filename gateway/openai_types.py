@@ -157,6 +157,9 @@ class ModelCard(msgspec.Struct, kw_only=True):
     object: str = "model"
     created: int
     owned_by: str = "tierserve"
+    # vLLM's: the longest context of the model's workers (left out until one has registered), which
+    # clients and benchmark tools read to size their prompts
+    max_model_len: int | UnsetType = UNSET
 
 
 class ModelList(msgspec.Struct, kw_only=True):

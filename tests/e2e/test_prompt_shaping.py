@@ -186,3 +186,25 @@ def test_tokenize_takes_the_same_prompt_fields(base_url: str) -> None:
     ):
         response = tokenize(bad)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, bad
+
+
+def test_echo_on_a_chat_repeats_the_message_the_answer_continues(client: openai.OpenAI) -> None:
+    """vLLM's chat ``echo``: a continued message comes back whole, its text before the model's (a
+    stream's first content chunk); after a new turn's prompt, a user's last message is not repeated."""
+    continued = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    answer = client.chat.completions.create(
+        model="mock", messages=PREFILLED, max_tokens=8, temperature=0, extra_body=continued
+    )
+    rest = expected_text(_template_ids(PREFILLED, continue_final_message=True), 8)
+    assert answer.choices[0].message.content == "The colour is" + rest
+    chunks = list(
+        client.chat.completions.create(
+            model="mock", messages=PREFILLED, max_tokens=8, temperature=0, stream=True, extra_body=continued
+        )
+    )
+    contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert contents[0] == "The colour is" and "".join(contents) == "The colour is" + rest
+    fresh = client.chat.completions.create(
+        model="mock", messages=PREFILLED[:1], max_tokens=8, temperature=0, extra_body={"echo": True}
+    )
+    assert fresh.choices[0].message.content == expected_text(chat_ids("Name a colour."), 8)

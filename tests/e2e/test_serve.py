@@ -29,6 +29,9 @@ def test_health_ready_models(base_url: str, client: openai.OpenAI) -> None:
     assert httpx.get(f"{base_url}/ready", timeout=5).status_code == 200
     assert [m.id for m in client.models.list()] == ["mock"]
     assert client.models.retrieve("mock").id == "mock"
+    tokenized = httpx.post(f"{base_url}/tokenize", json={"model": "mock", "prompt": "a"}, timeout=5).json()
+    card = httpx.get(f"{base_url}/v1/models/mock", timeout=5).json()
+    assert card["max_model_len"] == tokenized["max_model_len"] > 0  # vLLM's field: the longest context
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
 
