@@ -23,6 +23,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
 import msgspec
@@ -73,6 +74,10 @@ def create_app(gateway: Gateway) -> Starlette:
             return await _complete(request, gateway, endpoint)
 
         return Route(endpoint.path, complete, methods=["POST"])
+
+    async def version(request: Request) -> Response:
+        """vLLM's ``/version``: the server's package version."""
+        return _json({"version": package_version("tierserve")})
 
     async def models(request: Request) -> Response:
         identify(gateway.config, request.headers)  # the completion routes' keys
@@ -137,6 +142,7 @@ def create_app(gateway: Gateway) -> Starlette:
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
+            Route("/version", version, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],

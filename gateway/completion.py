@@ -72,6 +72,7 @@ class Job:
     @property
     def headers(self) -> dict[str, str]:
         headers = {
+            "x-request-id": self.renderer.request_id,  # the answer's id, for logs and traces alike
             "x-sla-tier": self.identity.tier.name,
             "x-tierserve-model": self.model,
             "x-context-class": self.context_class,

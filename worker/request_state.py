@@ -81,6 +81,8 @@ class RequestState:
         tokens included) ends with the rest of it, as vLLM reads its ``bad_words``."""
         request = self.request
         params = request.sampling_params
+        if not params.bad_words and self.num_out >= params.min_tokens:
+            return ()  # the common case, every row every step
         banned: set[int] = set()
         if self.num_out < params.min_tokens:
             banned |= request.eos_token_ids | set(params.stop_token_ids)

@@ -7,6 +7,7 @@ embedded model (slow) is in test_serve_smollm2.py, a GGUF pool in test_serve_ggu
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 from typing import Any
 
@@ -29,6 +30,8 @@ def test_health_ready_models(base_url: str, client: openai.OpenAI) -> None:
     assert httpx.get(f"{base_url}/ready", timeout=5).status_code == 200
     assert [m.id for m in client.models.list()] == ["mock"]
     assert client.models.retrieve("mock").id == "mock"
+    version = httpx.get(f"{base_url}/version", timeout=5).json()  # vLLM's route
+    assert version == {"version": importlib.metadata.version("tierserve")}
     tokenized = httpx.post(f"{base_url}/tokenize", json={"model": "mock", "prompt": "a"}, timeout=5).json()
     card = httpx.get(f"{base_url}/v1/models/mock", timeout=5).json()
     assert card["max_model_len"] == tokenized["max_model_len"] > 0  # vLLM's field: the longest context
@@ -44,6 +47,7 @@ def test_chat_non_stream(client: openai.OpenAI) -> None:
     assert raw.headers["x-tierserve-model"] == "mock"
     assert raw.headers["x-context-class"] == "short"
     completion = raw.parse()
+    assert raw.headers["x-request-id"] == completion.id  # the id logs and traces name it by
     ids = chat_ids("Hello there")
     assert completion.choices[0].message.content == expected_text(ids, 20)
     assert completion.choices[0].finish_reason == "length"
