@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from importlib.metadata import version as package_version
@@ -211,6 +212,7 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
         )
         texts = _token_texts(gateway, placement.model, parsed) if endpoint.wants_logprobs(parsed) else None
         request_id = f"{endpoint.id_prefix}{uuid.uuid4().hex}"
+        answer_id = _answer_id(endpoint.id_prefix, request.headers, parsed.request_id) or request_id
         tool_spec = endpoint.tool_spec(parsed)
         if tool_spec is not None:  # read the answer as the placed model's template taught it
             call_format = gateway.builder(placement.model).call_format
@@ -224,7 +226,7 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
             None if num_scored is None else PromptScoring(gateway.token_texts(placement.model), num_scored)
         )
         rendering = Rendering(
-            request_id,
+            answer_id,
             placement.model,
             texts,
             tool_spec,
@@ -248,17 +250,35 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
         parsed.stream,
         limits.context_class(max(len(p) for p in prompt_ids)),
         endpoint.operation,
+        request_id,
         requested_model=placement.requested,
         is_degraded=placement.is_degraded,
         priority=parsed.priority,
         continuous_usage=parsed.continuous_usage,
     )
-    log.debug("request %s: tenant %s, tier %s, model %s (asked for %s)", request_id,
+    log.debug("request %s (answer %s): tenant %s, tier %s, model %s (asked for %s)", request_id, answer_id,
               identity.tenant.name, identity.tier.name, model, placement.requested)  # fmt: skip
     try:
         return await respond(gateway, job, request.receive)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+CLIENT_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # printable ASCII, no spaces: what proxies send
+
+
+def _answer_id(prefix: str, headers: Mapping[str, str], field: str | None) -> str | None:
+    """The answer's id named by the client, as vLLM names it (``chatcmpl-<id>``): from the
+    ``X-Request-Id`` header a proxy or client set, else the body's ``request_id``; None when neither
+    is given. The gateway's own id stays what its Submits, spans and logs key on: a client's need not
+    be unique."""
+    header = headers.get("x-request-id")
+    given, param = (header, "X-Request-Id") if header is not None else (field, "request_id")
+    if given is None:
+        return None
+    if not CLIENT_REQUEST_ID.fullmatch(given):
+        raise APIError(400, f"{param}: at most 128 printable ASCII characters, no spaces", param=param)
+    return f"{prefix}{given}"
 
 
 def _model_card(gateway: Gateway, name: str) -> ModelCard:

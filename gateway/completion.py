@@ -63,6 +63,9 @@ class Job:
     stream: bool
     context_class: str  # from the longest prompt (gateway.context_classes)
     operation: str  # gen_ai.operation.name: "chat" or "text_completion" (gateway/endpoint.py)
+    # unique on this gateway, its choices' Submits named after it; the answer's id (the renderer's)
+    # may be the client's instead (X-Request-Id, vLLM's request_id)
+    request_id: str
     requested_model: str | None = None  # what the client asked for, when ``model`` is its fallback
     is_degraded: bool = False  # served by the fallback pool (the degradation policy chose, once)
     priority: int = 0  # the body's ``priority``: order within the tier (lower first)
@@ -162,7 +165,7 @@ class _Run:
         streams: list[RequestStream] = []
         try:
             for choice in job.choices:
-                request_id = f"{job.renderer.request_id}-{choice.index}" if many else job.renderer.request_id
+                request_id = f"{job.request_id}-{choice.index}" if many else job.request_id
                 streams.append(await self._dispatch(choice, request_id))
         except BaseException as exc:
             for stream in streams:

@@ -225,3 +225,48 @@ def test_stop_reason_names_what_ended_each_choice(base_url: str) -> None:
         choices = [c for e in _events(base_url, path, body) for c in e["choices"]]
         assert [c["stop_reason"] for c in choices if "stop_reason" in c] == [expected]
         assert choices[-1]["finish_reason"] == "stop" and choices[-1]["stop_reason"] == expected
+
+
+def test_the_answer_id_may_be_the_clients(base_url: str) -> None:
+    """A proxy's ``X-Request-Id`` (else vLLM's ``request_id`` field) names the answer as vLLM names it,
+    in its body and its own ``X-Request-Id``; two requests may share one (the gateway's own ids keep
+    them apart); an id that is no header value is a 400 naming where it came from."""
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "mock", "messages": messages, "max_tokens": 3, "temperature": 0}
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        answers = [
+            http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "edge-7f3a"})
+            for _ in range(2)
+        ]
+        for answer in answers:
+            assert answer.status_code == 200 and answer.json()["id"] == "chatcmpl-edge-7f3a"
+            assert answer.headers["x-request-id"] == "chatcmpl-edge-7f3a"
+        named = http.post(
+            "/v1/completions", json={"model": "mock", "prompt": "hi", "max_tokens": 2, "request_id": "job-1"}
+        )
+        assert named.json()["id"] == "cmpl-job-1"
+        both = http.post(
+            "/v1/completions",
+            json={"model": "mock", "prompt": "hi", "max_tokens": 2, "request_id": "job-1"},
+            headers={"X-Request-Id": "from-proxy"},
+        )
+        assert both.json()["id"] == "cmpl-from-proxy"  # the header wins, as in vLLM
+        streamed = _events(
+            base_url, "/v1/chat/completions", {"messages": messages, "max_tokens": 3, "request_id": "s-1"}
+        )
+        assert {e["id"] for e in streamed} == {"chatcmpl-s-1"}
+        response = http.post(
+            "/v1/responses",
+            json={"model": "mock", "input": "hi", "max_output_tokens": 3},
+            headers={"X-Request-Id": "r9"},
+        )
+        assert response.status_code == 200 and response.json()["id"] == "resp_r9", response.text
+        own = http.post("/v1/chat/completions", json=body)
+        assert own.json()["id"].startswith("chatcmpl-") and own.headers["x-request-id"] == own.json()["id"]
+        for fields, headers, param in (
+            ({"request_id": "has space"}, {}, "request_id"),
+            ({"request_id": "x" * 129}, {}, "request_id"),
+            ({}, {"X-Request-Id": "two words"}, "X-Request-Id"),
+        ):
+            bad = http.post("/v1/chat/completions", json={**body, **fields}, headers=headers)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
