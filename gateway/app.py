@@ -204,6 +204,7 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
         parsed = _parse(endpoint.decode, await _read_body(request, limits.max_body_bytes))
         identity = with_service_tier(gateway.config, identity, endpoint.service_tier(parsed))
         gateway.builder(parsed.model)  # 404 for a model not served here
+        client_id = _answer_id(endpoint.id_prefix, request.headers, parsed.request_id)  # a 400 before work
         _check(lambda: parsed.check_n(limits.max_n))
         prompts = _check(lambda: endpoint.prompts(parsed, limits.max_prompts))
         seats = parsed.n * prompts.num_prompts
@@ -212,7 +213,7 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
         )
         texts = _token_texts(gateway, placement.model, parsed) if endpoint.wants_logprobs(parsed) else None
         request_id = f"{endpoint.id_prefix}{uuid.uuid4().hex}"
-        answer_id = _answer_id(endpoint.id_prefix, request.headers, parsed.request_id) or request_id
+        answer_id = client_id or request_id
         tool_spec = endpoint.tool_spec(parsed)
         if tool_spec is not None:  # read the answer as the placed model's template taught it
             call_format = gateway.builder(placement.model).call_format

@@ -12,6 +12,7 @@ from wire.structured import StructuredOutput
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # a stop string's length: it comes back as the answer's stop_reason
 MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI's API takes a few hundred)
 MAX_ALLOWED_TOKENS = 1 << 18  # vLLM's allowed_token_ids: more than any vocabulary served here
 MAX_BAD_WORDS = 256  # token sequences (a word is one or two: with and without a leading space)
@@ -117,6 +118,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         )
         _require(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
         _require(all(self.stop), "stop", "stop strings must not be empty")
+        _require(
+            all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+            "stop",
+            f"a stop string has at most {MAX_STOP_CHARS} characters",
+        )
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("allowed_token_ids", self.allowed_token_ids or ()),

@@ -26,6 +26,7 @@ def check(params: SamplingParams, prompt: int = 10) -> None:
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"logprobs": 21}, "logprobs"),
         ({"stop": ("",)}, "stop"),
+        ({"stop": ("x" * 1025,)}, "stop"),
         ({"stop_token_ids": (100,)}, "stop_token_ids"),
         ({"allowed_token_ids": ()}, "allowed_token_ids"),
         ({"allowed_token_ids": (3, 100)}, "allowed_token_ids"),
