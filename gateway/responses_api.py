@@ -1,5 +1,5 @@
-"""The Responses API's answer (``POST /v1/responses``; its request: gateway/responses_requests.py): one
-``response`` object, or a stream of named events ending in it.
+"""The Responses API's answer (``POST /v1/responses``; its request: gateway/responses_requests.py; its
+shapes: gateway/responses_types.py): one ``response`` object, or a stream of named events ending in it.
 
 The answer's text becomes a ``message`` item of one ``output_text`` part; each tool call the model
 made (parsed as on the chat endpoint, gateway/tool_calls.py) a ``function_call`` item, in the order
@@ -33,170 +33,28 @@ from gateway.logprobs import ChatTokenLogprob, TokenTexts, chat_logprobs
 from gateway.openai_api import ChoiceResult, Rendering, finish_reason, with_calls
 from gateway.openai_types import FinishReason, UsageInfo
 from gateway.responses_requests import ResponsesChat, ResponsesRequest
+from gateway.responses_types import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ErrorEvent,
+    Event,
+    FunctionCallOut,
+    IncompleteDetails,
+    ItemEvent,
+    MessageOut,
+    OutputItem,
+    OutputText,
+    PartEvent,
+    ResponseError,
+    ResponseEvent,
+    ResponseObject,
+    ResponseUsage,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
 from gateway.tool_calls import AnswerParser, ParsedCall, answer_parser, parse_whole
 from gateway.tools import ToolSpec
 from wire.messages import TokenDelta, TokenLogprob
-
-# ---------------------------------------------------------------- the response object
-
-
-class OutputText(msgspec.Struct, kw_only=True):
-    type: str = "output_text"
-    text: str
-    annotations: list[Any] = msgspec.field(default_factory=list)
-    logprobs: list[ChatTokenLogprob] = msgspec.field(default_factory=list)
-
-
-class MessageOut(msgspec.Struct, kw_only=True):
-    type: str = "message"
-    id: str
-    status: str  # in_progress, completed, incomplete
-    role: str = "assistant"
-    content: list[OutputText]
-
-
-class FunctionCallOut(msgspec.Struct, kw_only=True):
-    type: str = "function_call"
-    id: str
-    call_id: str
-    name: str
-    arguments: str
-    status: str
-
-
-OutputItem = MessageOut | FunctionCallOut
-
-
-class InputTokensDetails(msgspec.Struct, kw_only=True):
-    cached_tokens: int  # found in the prefix cache
-    cache_write_tokens: int  # computed here, their K/V written to the cache
-
-
-class OutputTokensDetails(msgspec.Struct, kw_only=True):
-    reasoning_tokens: int = 0
-
-
-class ResponseUsage(msgspec.Struct, kw_only=True):
-    input_tokens: int
-    input_tokens_details: InputTokensDetails
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails
-    total_tokens: int
-
-    @classmethod
-    def of(cls, usage: UsageInfo) -> ResponseUsage:
-        cached = usage.prompt_tokens_details.cached_tokens
-        return cls(
-            input_tokens=usage.prompt_tokens,
-            input_tokens_details=InputTokensDetails(
-                cached_tokens=cached, cache_write_tokens=usage.prompt_tokens - cached
-            ),
-            output_tokens=usage.completion_tokens,
-            output_tokens_details=OutputTokensDetails(),
-            total_tokens=usage.total_tokens,
-        )
-
-
-class IncompleteDetails(msgspec.Struct, kw_only=True):
-    reason: str
-
-
-class ResponseError(msgspec.Struct, kw_only=True):
-    code: str  # OpenAI's codes for a failed response: server_error or rate_limit_exceeded here
-    message: str
-
-
-class ResponseObject(msgspec.Struct, kw_only=True):
-    """The request's settings echoed, as OpenAI's ``response`` object has them, and the answer."""
-
-    id: str
-    object: str = "response"
-    created_at: int
-    status: str  # in_progress, completed, incomplete, failed
-    error: ResponseError | None = None
-    incomplete_details: IncompleteDetails | None = None
-    model: str
-    output: list[OutputItem]
-    usage: ResponseUsage | None = None
-    instructions: str | None
-    max_output_tokens: int | None
-    metadata: dict[str, str]
-    parallel_tool_calls: bool
-    temperature: float
-    top_p: float
-    tool_choice: str | dict[str, Any]
-    tools: list[dict[str, Any]]
-    text: dict[str, Any]
-    top_logprobs: int | None
-    truncation: str = "disabled"
-    service_tier: str | None
-    store: bool = False
-    background: bool = False
-    previous_response_id: str | None = None
-    reasoning: None = None
-    user: str | None
-    prompt_cache_key: str | None
-    safety_identifier: str | None
-
-
-# ---------------------------------------------------------------- the stream's events
-
-
-class Event(msgspec.Struct, kw_only=True):
-    type: str
-    sequence_number: int
-
-
-class ResponseEvent(Event, kw_only=True):  # created, in_progress, completed, incomplete, failed
-    response: ResponseObject
-
-
-class ItemEvent(Event, kw_only=True):  # output_item.added / .done
-    output_index: int
-    item: OutputItem
-
-
-class PartEvent(Event, kw_only=True):  # content_part.added / .done
-    item_id: str
-    output_index: int
-    content_index: int = 0
-    part: OutputText
-
-
-class TextDeltaEvent(Event, kw_only=True):
-    item_id: str
-    output_index: int
-    content_index: int = 0
-    delta: str
-    logprobs: list[ChatTokenLogprob]
-
-
-class TextDoneEvent(Event, kw_only=True):
-    item_id: str
-    output_index: int
-    content_index: int = 0
-    text: str
-    logprobs: list[ChatTokenLogprob]
-
-
-class ArgumentsDeltaEvent(Event, kw_only=True):
-    item_id: str
-    output_index: int
-    delta: str
-
-
-class ArgumentsDoneEvent(Event, kw_only=True):
-    item_id: str
-    output_index: int
-    name: str
-    arguments: str
-
-
-class ErrorEvent(Event, kw_only=True):
-    code: str | None
-    message: str
-    param: str | None
-
 
 # ---------------------------------------------------------------- rendering
 
