@@ -41,7 +41,7 @@ from gateway.completion import Choice, Job, respond
 from gateway.drain import DrainMiddleware
 from gateway.endpoint import CHAT, COMPLETIONS, RESPONSES, Body, Endpoint
 from gateway.errors import APIError
-from gateway.identity import Identity, identify, with_service_tier
+from gateway.identity import Identity, identify, with_cache_salt, with_service_tier
 from gateway.logprobs import TokenTexts
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.openai_api import EchoedPrompt, PromptScoring, Rendering
@@ -203,6 +203,7 @@ async def _run(request: Request, gateway: Gateway, endpoint: Endpoint[Body]) -> 
         identity = identify(gateway.config, request.headers)
         parsed = _parse(endpoint.decode, await _read_body(request, limits.max_body_bytes))
         identity = with_service_tier(gateway.config, identity, endpoint.service_tier(parsed))
+        identity = with_cache_salt(identity, parsed.cache_salt)
         gateway.builder(parsed.model)  # 404 for a model not served here
         client_id = _answer_id(endpoint.id_prefix, request.headers, parsed.request_id)  # a 400 before work
         _check(lambda: parsed.check_n(limits.max_n))

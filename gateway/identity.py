@@ -13,7 +13,8 @@ valid key learns nothing about the request it sent. Error messages never echo th
 The tenant also fixes the request's prefix-cache salt: HMAC-SHA256 of the tenant's name under
 ``gateway.cache_salt_secret`` (a random key per process when unset). Workers hash KV blocks with it, so
 one tenant's prompts never hit another tenant's cached blocks (and timing cannot reveal them); a client
-can neither choose nor see it.
+can neither choose nor see it. vLLM's body field ``cache_salt`` narrows it further (``with_cache_salt``):
+within the tenant, only requests sending the same salt share cached blocks.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ _RANDOM_SALT_KEY = secrets.token_bytes(32)  # when no gateway.cache_salt_secret 
 class Identity:
     tenant: Tenant
     tier: Tier
-    cache_salt: str  # derived from the tenant, never from client input
+    cache_salt: str  # derived from the tenant (and within it, a request's own salt: with_cache_salt)
     asked: bool = False  # the tier came from X-SLA-Tier (not the tenant's or the server's default)
 
 
@@ -49,6 +50,22 @@ def cache_salt(config: ServerConfig, tenant: Tenant) -> str:
     secret = config.gateway.cache_salt_secret
     key = secret.encode() if secret else _RANDOM_SALT_KEY
     return hmac.new(key, tenant.name.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def with_cache_salt(identity: Identity, salt: str | None) -> Identity:
+    """``identity`` with vLLM's ``cache_salt`` folded into its prefix-cache salt (an HMAC of it under
+    the tenant's salt): requests of the tenant sending the same salt share cached blocks, no others
+    do, and never another tenant's, whatever salt it sends. Unchanged for None; 400 for an empty or
+    overlong one."""
+    if salt is None:
+        return identity
+    if not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise APIError(400, f"cache_salt: 1 to {MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
+    narrowed = hmac.new(identity.cache_salt.encode(), salt.encode(), hashlib.sha256).hexdigest()[:32]
+    return dataclasses.replace(identity, cache_salt=narrowed)
 
 
 def identify(config: ServerConfig, headers: Mapping[str, str]) -> Identity:

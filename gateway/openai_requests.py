@@ -161,6 +161,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     truncate_prompt_tokens: int | None = None
     # vLLM's: the answer's id after its prefix (the X-Request-Id header wins): gateway/app.py
     request_id: str | None = None
+    # vLLM's: only requests with the same salt (of the same tenant) share prefix-cache blocks
+    cache_salt: str | None = None
     # vLLM's: the prompt's and the answer's token ids in the answer (what RL trainers read back)
     return_token_ids: bool = False
     # vLLM's: logprobs name each token "token_id:<id>" instead of its text

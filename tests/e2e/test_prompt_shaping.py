@@ -1,6 +1,7 @@
 """vLLM's fields that shape the prompt before it runs, through a real ``tierserve serve`` on mock
 workers: ``continue_final_message`` and ``add_generation_prompt`` (a prefilled answer),
-``add_special_tokens``, ``chat_template_kwargs`` and ``truncate_prompt_tokens``. The mock model's answer
+``add_special_tokens``, ``chat_template_kwargs`` and ``truncate_prompt_tokens``; and ``cache_salt``, which
+cached blocks a prompt may read. The mock model's answer
 is a pure function of the prompt's ids, so each test knows the ids the server ran from the answer and
 the usage alone. Template rendering against transformers: tests/gateway/test_tokenizer.py.
 """
@@ -208,3 +209,29 @@ def test_echo_on_a_chat_repeats_the_message_the_answer_continues(client: openai.
         model="mock", messages=PREFILLED[:1], max_tokens=8, temperature=0, extra_body={"echo": True}
     )
     assert fresh.choices[0].message.content == expected_text(chat_ids("Name a colour."), 8)
+
+
+def test_cache_salt_keeps_cached_blocks_to_requests_sending_it(base_url: str) -> None:
+    """vLLM's ``cache_salt``: a prompt's cached blocks serve later requests with the same salt on the
+    worker that cached them, and no request with another salt or none (``cached_tokens`` in the usage
+    says which; ``x-tierserve-worker`` where it ran). Four requests on two workers: a worker runs the
+    salted prompt twice at least once."""
+    prompt = "A salted prompt, long enough to fill several blocks of the KV cache. " * 3
+
+    def run(salt: str | None) -> tuple[str, int]:
+        body = {"model": "mock", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        answer = httpx.post(f"{base_url}/v1/completions", json={**body, "cache_salt": salt}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        return answer.headers["x-tierserve-worker"], answer.json()["usage"]["prompt_tokens_details"][
+            "cached_tokens"
+        ]
+
+    seen: set[str] = set()
+    repeats = 0
+    for _ in range(4):
+        worker, cached = run("team-a")
+        assert (cached > 0) == (worker in seen), (worker, cached, seen)
+        repeats += worker in seen
+        seen.add(worker)
+    assert repeats >= 2
+    assert run("team-b")[1] == 0 and run(None)[1] == 0

@@ -9,7 +9,7 @@ import pytest
 from starlette.datastructures import Headers
 
 from gateway.errors import APIError
-from gateway.identity import identify, with_service_tier
+from gateway.identity import identify, with_cache_salt, with_service_tier
 from wire.config import GatewayConfig, ServerConfig, Tenant
 from wire.tier import Tier
 
@@ -118,6 +118,22 @@ def test_the_cache_salt_is_the_tenants_under_the_server_secret() -> None:
     assert identify(a, headers("chat-key")).cache_salt == identify(a, headers("chat-key")).cache_salt
     assert identify(a, headers("chat-key")).cache_salt != identify(b, headers("chat-key")).cache_salt
     assert len(chat.cache_salt) == 32
+
+
+def test_a_requests_cache_salt_narrows_its_tenants() -> None:
+    """vLLM's ``cache_salt``: the same salt within a tenant, the same blocks; another salt, or another
+    tenant sending the same salt, other blocks; empty or overlong, a 400 naming it."""
+    chat = identify(KEYED, headers("chat-key"))
+    jobs = identify(KEYED, headers("jobs-key"))
+    salted = with_cache_salt(chat, "team-a")
+    assert with_cache_salt(chat, None) == chat and with_cache_salt(chat, "team-a") == salted
+    salts = {chat.cache_salt, salted.cache_salt, with_cache_salt(chat, "team-b").cache_salt}
+    assert len(salts | {with_cache_salt(jobs, "team-a").cache_salt}) == 4
+    assert len(salted.cache_salt) == 32
+    for bad in ("", "x" * 257):
+        with pytest.raises(APIError) as info:
+            with_cache_salt(chat, bad)
+        assert (info.value.status, info.value.param) == (400, "cache_salt")
 
 
 SERVICE_TIER_CASES = [
