@@ -39,14 +39,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gateway.body_decoding import decode_body, invalid_field
 from gateway.chat_messages import ChatMessage
-from gateway.openai_requests import (
-    ChatCompletionRequest,
-    JsonSchemaFormat,
-    ResponseFormat,
-    decode_body,
-    invalid_field,
-)
+from gateway.openai_requests import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat
 from gateway.tools import (
     NAME_PATTERN,
     FunctionCallIn,

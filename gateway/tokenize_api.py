@@ -20,9 +20,10 @@ from typing import Any
 
 import msgspec
 
+from gateway.body_decoding import decode_body
 from gateway.chat_messages import ChatMessage, check_messages
 from gateway.chat_prompt import chat_prompt
-from gateway.openai_requests import chat_options, decode_body
+from gateway.openai_requests import chat_options
 from gateway.state import Gateway
 from gateway.tokenizer import ChatOptions
 from gateway.tools import ToolDef, tool_spec
